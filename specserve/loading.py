@@ -1,0 +1,63 @@
+"""Load a target (and optional draft) into torch workers, checking they can work together."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from specserve import models
+from specserve.engine.torch_worker import TorchWorker
+from specserve.proposers.draft_model import DraftModelProposer
+from specserve.verifier import Verifier
+
+
+def set_torch_threads(threads: int | None = None) -> None:
+    """Ray sets OMP threads to floor(num_cpus); a worker should use the cores it was given."""
+    torch.set_num_threads(threads or int(os.environ.get("SPECSERVE_TORCH_THREADS", 0)) or os.cpu_count() or 1)
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+@dataclass
+class LoadedPair:
+    target: TorchWorker
+    draft: TorchWorker | None
+    tokenizer: object
+    eos_token_ids: set[int]
+    max_context: int
+
+    def verifier(self) -> Verifier:
+        return Verifier(self.target)
+
+    def proposer(self, *, top_m: int = 256) -> DraftModelProposer | None:
+        return DraftModelProposer(self.draft, top_m=top_m) if self.draft is not None else None
+
+
+def load_pair(target: str, draft: str | None = None, *, dtype: str = "bfloat16",
+              device: str = "cpu") -> LoadedPair:
+    tokenizer = models.load_tokenizer(target)
+    target_model = models.load_causal_lm(target, dtype=dtype, device=device)
+    vocab = None
+    draft_worker = None
+    max_context = target_model.config.max_position_embeddings
+    if draft is not None:
+        draft_tokenizer = models.load_tokenizer(draft)
+        draft_model = models.load_causal_lm(draft, dtype=dtype, device=device)
+        vocab = models.check_compatible(tokenizer, draft_tokenizer, target_model.config, draft_model.config)
+        draft_worker = TorchWorker(draft_model, vocab_size=vocab)
+        max_context = min(max_context, draft_model.config.max_position_embeddings)
+    return LoadedPair(
+        TorchWorker(target_model, vocab_size=vocab),
+        draft_worker,
+        tokenizer,
+        eos_ids(target_model, tokenizer),
+        max_context,
+    )

@@ -1,0 +1,112 @@
+"""Sampling and lossless acceptance: small pure functions of tensors.
+
+Vocabulary (as in vLLM's rejection sampler), for one request whose draft proposed k tokens:
+- accepted: draft tokens the target keeps, a prefix of the draft;
+- recovered: on the first rejection, one token drawn from the residual norm(max(0, p - q));
+- bonus: when all k drafts are accepted, one token drawn from the target's p at position k.
+Each round therefore emits num_accepted + 1 tokens.
+
+The guarantee (Leviathan et al. 2023, Chen et al. 2023): every emitted token is distributed
+exactly as the target's p given the tokens before it, whatever the draft distribution q is,
+as long as the draft tokens were drawn from q.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.protocol import SamplingParams, SparseDist
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution to sample from: temperature, then top-k, then top-p, in float32.
+
+    logits: [n, V]. Returns [n, V] rows summing to 1. Greedy (temperature 0) returns the
+    one-hot argmax so greedy is the limit of sampling.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the top one stays.
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def truncate_top_m(probs: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the m most probable tokens of each row, renormalised: (ids [n, m], probs [n, m])."""
+    m = min(m, probs.shape[-1])
+    top_probs, top_ids = torch.topk(probs, m, dim=-1)
+    return top_ids, top_probs / top_probs.sum(-1, keepdim=True)
+
+
+def densify(dist: SparseDist, vocab_size: int) -> torch.Tensor:
+    """SparseDist [k, m] -> dense [k, V] float32."""
+    ids = torch.as_tensor(dist.ids, dtype=torch.long)
+    probs = torch.as_tensor(dist.probs, dtype=torch.float32)
+    return torch.zeros(ids.shape[0], vocab_size).scatter_(-1, ids, probs)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a [V] distribution."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def accept_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> list[int]:
+    """Greedy verification of a chain. target_logits: [k+1, V].
+
+    Keeps the longest draft prefix equal to the target's argmax, then adds the target's own
+    argmax at the first mismatch (recovered) or after the last draft (bonus).
+
+    >>> logits = torch.tensor([[0., 9.], [9., 0.], [0., 9.]])  # argmax 1, 0, 1
+    >>> accept_greedy([1, 1], logits)  # 1 accepted, recovered 0
+    [1, 0]
+    """
+    argmax = target_logits.argmax(-1).tolist()
+    n = 0
+    while n < len(draft_tokens) and draft_tokens[n] == argmax[n]:
+        n += 1
+    return list(draft_tokens[:n]) + [argmax[n]]
+
+
+def accept_rejection(
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor,
+    target_probs_: torch.Tensor,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """Lossless speculative sampling of a chain.
+
+    draft_probs: [k, V], the distributions the draft tokens were drawn from.
+    target_probs_: [k+1, V], the target's (processed) distributions at each draft position and
+    one more. Accept draft x with probability min(1, p(x) / q(x)); on the first rejection emit
+    a recovered token from norm(max(0, p - q)) and stop; if all are accepted emit a bonus
+    token from p at position k.
+    """
+    out: list[int] = []
+    for i, x in enumerate(draft_tokens):
+        p, q = target_probs_[i], draft_probs[i]
+        u = torch.rand((), generator=generator)
+        if u * q[x] < p[x]:  # u < p(x)/q(x) without dividing; q(x) > 0 since x ~ q
+            out.append(int(x))
+            continue
+        residual = (p - q).clamp_(min=0)
+        total = residual.sum()
+        # The residual has mass TV(p, q) > 0 whenever a rejection is possible; fall back to p
+        # only against float underflow.
+        out.append(sample(residual / total if total > 0 else p, generator))
+        return out
+    out.append(sample(target_probs_[len(draft_tokens)], generator))
+    return out
+
+
+def generator_for(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)

@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny seeded random-weight models (seconds), real models only in slow tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def tiny_model(arch: str = "qwen2", *, seed: int = 0, vocab_size: int = 97, layers: int = 2,
+               hidden: int = 64, max_positions: int = 512):
+    """A float32 random-weight decoder built in the test: qwen2 (q/k/v biases) or llama."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+    config = config_cls(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_positions, initializer_range=0.02,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return model_cls(config).eval().requires_grad_(False)
+
+
+def perturbed(model, *, scale: float = 0.05, seed: int = 1):
+    """A draft that agrees with `model` often but not always: every weight scaled by 1 + N(0, scale)."""
+    import copy
+
+    import torch
+
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    for p in draft.parameters():
+        p.mul_(1 + scale * torch.randn(p.shape, generator=gen))
+    return draft
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
+    """The reference: transformers' own greedy decoding of the target alone."""
+    import torch
+
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=eos_token_id, pad_token_id=0, repetition_penalty=1.0,
+    )[0, len(prompt):].tolist()
+    if eos_token_id is not None and eos_token_id in out:  # generate pads after EOS
+        out = out[: out.index(eos_token_id) + 1]
+    return out
+
+
+def make_decoder(target, draft=None, *, k: int = 4, method: str | None = None, eos_token_ids=(), top_m: int = 256):
+    from specserve.decoder import SpeculativeDecoder
+    from specserve.engine.torch_worker import TorchWorker
+    from specserve.proposers.draft_model import DraftModelProposer
+    from specserve.verifier import Verifier
+
+    proposer = DraftModelProposer(TorchWorker(draft), top_m=top_m) if draft is not None else None
+    return SpeculativeDecoder(
+        Verifier(TorchWorker(target)), proposer, k=k, eos_token_ids=eos_token_ids,
+        method=method or ("draft" if draft is not None else "none"),
+        max_context=target.config.max_position_embeddings,
+    )
+
+
+@pytest.fixture(scope="session")
+def qwen_pair():
+    target = tiny_model("qwen2", seed=0)
+    return target, perturbed(target)

@@ -1,0 +1,159 @@
+"""End-to-end exactness of speculative decoding on tiny random models (fp32)."""
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import hf_greedy, make_decoder, perturbed, tiny_model
+from specserve.protocol import SamplingParams, SpecserveError
+
+PROMPTS = [[5, 17, 3], [40, 2, 2, 9, 61, 7, 13, 1, 88], [12], [30, 31, 32, 33, 34, 35]]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("k", [1, 3, 4, 8])
+def test_greedy_output_equals_target_alone(arch, k):
+    target = tiny_model(arch, seed=11)
+    draft = perturbed(target, scale=0.1)
+    decoder = make_decoder(target, draft, k=k)
+    outs = decoder.generate(PROMPTS, SamplingParams(max_tokens=24))
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(target, prompt, 24)
+        assert out.finish_reason == "length"
+    stats = decoder.last_report.stats
+    # the draft is good but not perfect: both paths of acceptance are exercised
+    assert 0.2 < stats.acceptance_rate < 0.95
+    assert stats.mean_accepted_length > 1.2
+
+
+def test_target_only_method_equals_target_alone(qwen_pair):
+    target, _ = qwen_pair
+    outs = make_decoder(target).generate(PROMPTS, SamplingParams(max_tokens=16))
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, 16) for p in PROMPTS]
+    assert all(o.stats.target_steps == 16 for o in outs)
+
+
+def test_per_request_method_and_k_override(qwen_pair):
+    target, draft = qwen_pair
+    decoder = make_decoder(target, draft, k=4)
+    [spec] = decoder.generate([PROMPTS[1]], SamplingParams(max_tokens=20))
+    [plain] = decoder.generate([PROMPTS[1]], SamplingParams(max_tokens=20), method="none")
+    [k1] = decoder.generate([PROMPTS[1]], SamplingParams(max_tokens=20), k=1)
+    assert spec.token_ids == plain.token_ids == k1.token_ids
+    assert plain.stats.num_draft_tokens == 0 and spec.stats.num_draft_tokens > 0
+    assert max(len(k1.stats.num_accepted_tokens_per_pos), 1) == 1
+
+
+def test_eos_stops_generation_exactly_where_the_target_would(qwen_pair):
+    target, draft = qwen_pair
+    free_run = hf_greedy(target, PROMPTS[0], 30)
+    eos = free_run[6]  # a token the target emits mid-stream: declare it EOS
+    expected = hf_greedy(target, PROMPTS[0], 30, eos_token_id=eos)
+    assert expected[-1] == eos and len(expected) <= 7
+    for k in (2, 5):
+        [out] = make_decoder(target, draft, k=k, eos_token_ids=[eos]).generate([PROMPTS[0]], SamplingParams(max_tokens=30))
+        assert out.token_ids == expected and out.finish_reason == "stop"
+    [ignored] = make_decoder(target, draft, eos_token_ids=[eos]).generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=30, ignore_eos=True))
+    assert ignored.token_ids == free_run
+
+
+def test_caches_are_released_when_requests_finish(qwen_pair):
+    target, draft = qwen_pair
+    decoder = make_decoder(target, draft)
+    decoder.generate(PROMPTS, SamplingParams(max_tokens=5))
+    assert decoder.verifier.worker.cache_stats()["requests"] == 0
+    assert decoder.proposer.worker.cache_stats()["requests"] == 0
+
+
+# ---- sampling: the output distribution is the target's ----------------------------------
+
+SMALL_VOCAB = 8
+
+
+def exact_two_token_distribution(model, prompt, params) -> torch.Tensor:
+    """p(t1, t2 | prompt) under the processed target distribution, by enumeration: [V * V]."""
+    from specserve.sampling import target_probs
+
+    with torch.no_grad():
+        p1 = target_probs(model(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        rows = torch.tensor([prompt + [t] for t in range(SMALL_VOCAB)])
+        p2 = target_probs(model(rows).logits[:, -1], params)
+    return (p1[:, None] * p2).flatten()
+
+
+def empirical_two_token_distribution(decoder, prompt, params, n, seed_base) -> torch.Tensor:
+    outs = decoder.generate([prompt] * n, [SamplingParams(**{**params.__dict__, "seed": seed_base + i}) for i in range(n)])
+    counts = torch.zeros(SMALL_VOCAB * SMALL_VOCAB)
+    for o in outs:
+        counts[o.token_ids[0] * SMALL_VOCAB + o.token_ids[1]] += 1
+    return counts / n
+
+
+def tv(a, b) -> float:
+    return 0.5 * float((a - b).abs().sum())
+
+
+@pytest.mark.parametrize("params,top_m", [
+    (SamplingParams(temperature=1.0, max_tokens=2), 64),
+    (SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=2), 64),
+    (SamplingParams(temperature=1.0, max_tokens=2), 3),  # drafts from a top-3 truncation: still exact
+], ids=["t1", "t0.7-topk5-topp0.9", "t1-draft-top3"])
+def test_sampled_output_follows_the_target_distribution(params, top_m):
+    target = tiny_model("qwen2", seed=5, vocab_size=SMALL_VOCAB)
+    draft = perturbed(target, scale=0.5, seed=9)
+    prompt = [1, 2, 3]
+    exact = exact_two_token_distribution(target, prompt, params)
+    assert tv(exact, exact_two_token_distribution(draft, prompt, params)) > 0.05  # a real gap to close
+    decoder = make_decoder(target, draft, k=2, top_m=top_m)
+    errors = [tv(empirical_two_token_distribution(decoder, prompt, params, n, seed_base=n), exact)
+              for n in (500, 8000)]
+    assert errors[1] < errors[0]
+    assert errors[1] < 0.05
+    torch.manual_seed(0)
+    random_refs = [tv(torch.distributions.Dirichlet(torch.ones(len(exact))).sample(), exact) for _ in range(10)]
+    assert errors[1] < min(random_refs) / 4
+    assert decoder.last_report.stats.num_draft_tokens > 0
+
+
+def test_identical_draft_is_accepted_almost_always():
+    target = tiny_model("qwen2", seed=6)
+    decoder = make_decoder(target, target, k=4, top_m=97)  # no truncation of the draft
+    decoder.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=40, seed=0))
+    assert decoder.last_report.stats.acceptance_rate > 0.99
+
+
+def test_same_seed_same_output(qwen_pair):
+    target, draft = qwen_pair
+    decoder = make_decoder(target, draft)
+    runs = [decoder.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=0.95, max_tokens=20, seed=s))
+            for s in (7, 7, 8)]
+    ids = [[o.token_ids for o in run] for run in runs]
+    assert ids[0] == ids[1]
+    assert ids[0] != ids[2]
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+def test_bad_requests_get_clear_errors(qwen_pair):
+    target, draft = qwen_pair
+    decoder = make_decoder(target, draft)
+    with pytest.raises(SpecserveError, match="empty"):
+        decoder.generate([[]])
+    with pytest.raises(SpecserveError, match="k .* must be in"):
+        decoder.generate([[1]], k=-1)
+    with pytest.raises(SpecserveError, match="unknown speculation method"):
+        decoder.generate([[1]], method="medusa-typo")
+    with pytest.raises(SpecserveError, match="context"):
+        decoder.generate([[1] * 512])
+    with pytest.raises(SpecserveError, match="needs a draft model"):
+        make_decoder(target).generate([[1]], method="draft")
+    with pytest.raises(SpecserveError, match="temperature"):
+        SamplingParams(temperature=-1)
+
+
+def test_generation_stops_at_the_context_length(qwen_pair):
+    target, draft = qwen_pair
+    [out] = make_decoder(target, draft).generate([[3] * 500], SamplingParams(max_tokens=100))
+    assert len(out.token_ids) == 12 and out.finish_reason == "length"
