@@ -1,0 +1,1 @@
+"""specserve: exact speculative decoding for LLMs, served on Ray Serve."""
