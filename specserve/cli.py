@@ -1,4 +1,4 @@
-"""Command line: ``specserve models list|pull`` (and, later, ``specserve generate``)."""
+"""Command line: ``specserve models list|pull`` and ``specserve generate``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from . import models
 from .models import ModelError, UnknownModelError
+from .protocol import SpecserveError
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # a model error: download, integrity, conversion ...
@@ -53,6 +54,76 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> None:
     p_pull.set_defaults(func=_cmd_models_pull)
 
 
+# --------------------------------------------------------------------------- generate
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .decoder import SpeculativeDecoder
+    from .loading import set_torch_threads
+    from .protocol import SamplingParams
+    from .request_state import validate_speculation
+
+    method = args.method or ("draft" if args.draft else "none")
+    validate_speculation(method, args.k)  # fail before loading gigabytes
+    if method == "draft" and not args.draft:
+        raise SpecserveError("--method draft needs --draft MODEL (or use --method none)")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
+    set_torch_threads(args.threads)
+    decoder = SpeculativeDecoder.from_pretrained(
+        args.target, draft=args.draft if method != "none" else None, dtype=args.dtype, method=method, k=args.k)
+    prompts = args.prompt
+    if args.chat:
+        prompts = [decoder.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                         add_generation_prompt=True) for p in prompts]
+    outputs = decoder.generate(prompts, params)
+    report = decoder.last_report
+    if args.json:
+        import json
+
+        print(json.dumps({
+            "outputs": [{"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+                         "stats": o.stats.as_dict()} for o in outputs],
+            "tokens_per_second": round(report.tokens_per_second, 3),
+            "seconds": round(report.seconds, 3),
+            "stats": report.stats.as_dict(),
+        }, indent=1))
+        return EXIT_OK
+    for o in outputs:
+        print(o.text)
+        print(f"--- finish_reason={o.finish_reason} tokens={len(o.token_ids)}")
+    s = report.stats
+    print(f"method={method} k={args.k if method != 'none' else 0} dtype={args.dtype}")
+    print(f"tokens/s:                 {report.tokens_per_second:.2f}  ({s.generated_tokens} tokens in {report.seconds:.2f} s)")
+    print(f"mean accepted length:     {s.mean_accepted_length:.2f}  (tokens per target step, bonus included)")
+    print(f"acceptance rate:          {s.acceptance_rate:.3f}  ({s.num_accepted_tokens}/{s.num_draft_tokens} draft tokens)")
+    print(f"target forward passes:    {decoder.verifier.worker.forward_passes}")
+    return EXIT_OK
+
+
+def add_generate_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="generate text with speculative decoding in this process",
+                              description="Generate with a target model and (optionally) a draft model, "
+                                          "then print the text and the speculation statistics.")
+    p.add_argument("--target", required=True, help="registry name, local directory or Hub id")
+    p.add_argument("--draft", help="draft model (same tokenizer as the target)")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="prompt text; repeat to decode several prompts as one batch")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the target's chat template")
+    p.add_argument("--method", choices=["draft", "none"], help="default: draft when --draft is given")
+    p.add_argument("-k", "--k", type=int, default=4, help="draft tokens per round (default 4)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, help="same seed, same output")
+    p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
+    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    p.set_defaults(func=_cmd_generate)
+
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -62,12 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_models_parser(subparsers)
-    # ------------------------------------------------------------------ generate (TODO)
-    # The `generate` subcommand goes here: define `add_generate_parser(subparsers)` in this
-    # module (it must `set_defaults(func=<handler returning an exit code>)`) and call it:
-    #     add_generate_parser(subparsers)
-    # main() already turns ModelError into a clean message and exit code.
-    # ------------------------------------------------------------------------------------
+    add_generate_parser(subparsers)
     return parser
 
 
@@ -76,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or EXIT_OK)
-    except UnknownModelError as exc:
+    except (UnknownModelError, SpecserveError) as exc:
         print(f"specserve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ModelError as exc:

@@ -43,15 +43,22 @@ class LoadedPair:
 
 def load_pair(target: str, draft: str | None = None, *, dtype: str = "bfloat16",
               device: str = "cpu") -> LoadedPair:
+    """Load the target (and draft) into torch workers. A draft that does not share the target's
+    vocabulary is refused before any weights are loaded."""
+    from transformers import AutoConfig
+
     tokenizer = models.load_tokenizer(target)
-    target_model = models.load_causal_lm(target, dtype=dtype, device=device)
     vocab = None
-    draft_worker = None
-    max_context = target_model.config.max_position_embeddings
     if draft is not None:
-        draft_tokenizer = models.load_tokenizer(draft)
+        vocab = models.check_compatible(
+            tokenizer, models.load_tokenizer(draft),
+            AutoConfig.from_pretrained(models.resolve(target)), AutoConfig.from_pretrained(models.resolve(draft)),
+        )
+    target_model = models.load_causal_lm(target, dtype=dtype, device=device)
+    max_context = target_model.config.max_position_embeddings
+    draft_worker = None
+    if draft is not None:
         draft_model = models.load_causal_lm(draft, dtype=dtype, device=device)
-        vocab = models.check_compatible(tokenizer, draft_tokenizer, target_model.config, draft_model.config)
         draft_worker = TorchWorker(draft_model, vocab_size=vocab)
         max_context = min(max_context, draft_model.config.max_position_embeddings)
     return LoadedPair(

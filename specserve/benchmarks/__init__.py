@@ -1,0 +1,1 @@
+"""Benchmark scripts: they print figures measured in one run; nothing here asserts speed."""

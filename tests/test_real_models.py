@@ -1,0 +1,105 @@
+"""End-to-end on real pretrained weights (SmolLM2-135M, fp32). Slow tier: `-m slow`."""
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import hf_greedy
+from specserve import models
+
+pytestmark = pytest.mark.slow
+
+SMOL = "smollm2-135m-instruct"
+QUESTIONS = [
+    "Say hi.",
+    "Write a Python function that returns the square of a number.",
+    "List three colors.",
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    if not models.is_cached(SMOL):
+        pytest.skip(f"run `specserve models pull {SMOL}` first (make test does)")
+    from specserve.loading import load_pair
+
+    return load_pair(SMOL, SMOL, dtype="float32")
+
+
+def first_layers(model, n: int):
+    """A different, weaker draft that shares the vocabulary: the target's first n layers."""
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:n]
+    draft.config.num_hidden_layers = n
+    return draft
+
+
+def chat_prompt(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("draft_kind,k", [("itself", 4), ("first-27-layers", 3), ("first-27-layers", 6)])
+def test_greedy_equals_transformers_with_real_weights(smol, draft_kind, k):
+    from specserve.decoder import SpeculativeDecoder
+    from specserve.engine.torch_worker import TorchWorker
+    from specserve.proposers.draft_model import DraftModelProposer
+    from specserve.protocol import SamplingParams
+
+    target = smol.target.model
+    draft_model = target if draft_kind == "itself" else first_layers(target, 27)
+    decoder = SpeculativeDecoder(smol.verifier(), DraftModelProposer(TorchWorker(draft_model)), k=k,
+                                 tokenizer=smol.tokenizer, eos_token_ids=smol.eos_token_ids)
+    prompts = [chat_prompt(smol.tokenizer, q) for q in QUESTIONS]
+    outs = decoder.generate(prompts, SamplingParams(max_tokens=40))
+    eos = sorted(smol.eos_token_ids)
+    assert len(eos) == 1
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(target, prompt, 40, eos_token_id=eos[0])
+    assert {o.finish_reason for o in outs} == {"stop", "length"}  # EOS and max_tokens both hit
+    stats = decoder.last_report.stats
+    if draft_kind == "itself":
+        assert stats.acceptance_rate > 0.97
+    else:
+        assert 0.1 < stats.acceptance_rate < 0.97
+
+
+def test_sampling_with_an_identical_real_draft_accepts_nearly_everything(smol):
+    from specserve.decoder import SpeculativeDecoder
+    from specserve.protocol import SamplingParams
+
+    decoder = SpeculativeDecoder(smol.verifier(), smol.proposer(), k=4, tokenizer=smol.tokenizer,
+                                 eos_token_ids=smol.eos_token_ids)
+    prompt = chat_prompt(smol.tokenizer, QUESTIONS[1])
+    runs = [decoder.generate([prompt], SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, seed=s))[0]
+            for s in (1, 1)]
+    assert runs[0].token_ids == runs[1].token_ids
+    # the draft samples from a top-256 truncation of the same distribution: a little mass is lost
+    assert decoder.last_report.stats.acceptance_rate > 0.9
+
+
+def test_mismatched_vocabularies_are_refused_before_loading_weights(smol):
+    from specserve.loading import load_pair
+
+    other = "qwen2.5-coder-0.5b-instruct"
+    if not models.is_cached(other):
+        pytest.skip(f"{other} not pulled")
+    with pytest.raises(models.IncompatibleModelsError, match="vocabular"):
+        load_pair(SMOL, other)
+
+
+def test_cli_generate_prints_text_and_statistics(smol):
+    cmd = [sys.executable, "-m", "specserve.cli", "generate", "--target", SMOL, "--draft", SMOL,
+           "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "24", "-k", "3",
+           "--dtype", "float32", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    [out] = result["outputs"]
+    assert "Paris" in out["text"]
+    assert result["tokens_per_second"] > 0
+    assert result["stats"]["acceptance_rate"] > 0.9 and result["stats"]["mean_accepted_length"] > 2
