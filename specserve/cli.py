@@ -71,11 +71,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
     set_torch_threads(args.threads)
     decoder = SpeculativeDecoder.from_pretrained(
-        args.target, draft=args.draft if method != "none" else None, dtype=args.dtype, method=method, k=args.k)
+        args.target, draft=args.draft if method != "none" else None, dtype=args.dtype, device=args.device,
+        method=method, k=args.k, draft_min_confidence=args.draft_confidence)
     prompts = args.prompt
-    if args.chat:
-        prompts = [decoder.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                         add_generation_prompt=True) for p in prompts]
+    if args.chat:  # the template writes the special tokens itself
+        tok = decoder.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                      add_generation_prompt=True), add_special_tokens=False)
+                   for p in prompts]
     outputs = decoder.generate(prompts, params)
     report = decoder.last_report
     if args.json:
@@ -119,6 +122,10 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, help="same seed, same output")
     p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda / cuda:N")
+    p.add_argument("--draft-confidence", type=float, default=0.5,
+                   help="stop a draft chain early once the draft's own probability of its token falls "
+                        "below this (default 0.5; 0 always drafts k tokens)")
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.set_defaults(func=_cmd_generate)

@@ -70,14 +70,15 @@ class SpeculativeDecoder:
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, *, dtype: str = "bfloat16",
-                        method: str | None = None, k: int = 4, draft_top_m: int = 256) -> SpeculativeDecoder:
+                        device: str = "cpu", method: str | None = None, k: int = 4, draft_top_m: int = 256,
+                        draft_min_confidence: float = 0.5) -> SpeculativeDecoder:
         """Load a target (and draft) by registry name, local directory or Hub id."""
         from specserve.loading import load_pair
 
-        pair = load_pair(target, draft, dtype=dtype)
+        pair = load_pair(target, draft, dtype=dtype, device=device)
         return cls(
             pair.verifier(),
-            pair.proposer(top_m=draft_top_m),
+            pair.proposer(top_m=draft_top_m, min_confidence=draft_min_confidence),
             tokenizer=pair.tokenizer,
             eos_token_ids=pair.eos_token_ids,
             method=method or ("draft" if draft else "none"),
@@ -89,7 +90,7 @@ class SpeculativeDecoder:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise SpecserveError("text prompts need a tokenizer; pass token ids instead")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)  # with the model's BOS, if it has one
         return [int(t) for t in prompt]
 
     def _decode(self, ids: list[int]) -> str:
@@ -110,14 +111,13 @@ class SpeculativeDecoder:
                          self.k if k is None else k, self.eos_token_ids, self.max_context)
             for prompt, p in zip(prompts, params)
         ]
-        texts: dict[str, str] = {}
         start = time.perf_counter()
         live = list(states)
         while live:
             self._round(live)
-            for s in live:
-                if self.tokenizer is not None and (text := s.finish_at_stop_string(self._decode)) is not None:
-                    texts[s.request_id] = text
+            if self.tokenizer is not None:
+                for s in live:
+                    s.finish_at_stop_string(self._decode)
             for s in [s for s in live if s.finished]:
                 self.verifier.release(s.request_id)
                 if self.proposer is not None:
@@ -129,10 +129,15 @@ class SpeculativeDecoder:
         self.last_report = report
         return [
             Generation(s.request_id, s.prompt_ids, s.output_ids,
-                       texts.get(s.request_id, self._decode(s.output_ids) if self.tokenizer else None),
+                       self._text(s),
                        s.finish_reason, s.stats)
             for s in states
         ]
+
+    def _text(self, state: RequestState) -> str | None:
+        if state.stop_text is not None:
+            return state.stop_text
+        return self._decode(state.output_ids) if self.tokenizer is not None else None
 
     def _round(self, live: list[RequestState]) -> None:
         propose = [s.propose_request() for s in live]

@@ -37,8 +37,10 @@ class LoadedPair:
     def verifier(self) -> Verifier:
         return Verifier(self.target)
 
-    def proposer(self, *, top_m: int = 256) -> DraftModelProposer | None:
-        return DraftModelProposer(self.draft, top_m=top_m) if self.draft is not None else None
+    def proposer(self, *, top_m: int = 256, min_confidence: float = 0.5) -> DraftModelProposer | None:
+        if self.draft is None:
+            return None
+        return DraftModelProposer(self.draft, top_m=top_m, min_confidence=min_confidence)
 
 
 def load_pair(target: str, draft: str | None = None, *, dtype: str = "bfloat16",

@@ -78,7 +78,8 @@ class RequestState:
     eos_token_ids: frozenset[int] = frozenset()
     max_context: int | None = None  # the models' context length: generation stops there
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_text: str | None = None  # the output text cut before a matched stop sequence
     stats: SpecStats = field(default_factory=SpecStats)
     rng: random.Random = field(init=False)
 
@@ -170,4 +171,5 @@ class RequestState:
         self.stats.generated_tokens -= len(self.output_ids) - keep
         del self.output_ids[keep:]
         self.finish_reason = "stop"
-        return text[:cut]
+        self.stop_text = text[:cut]
+        return self.stop_text

@@ -5,7 +5,9 @@
 Runs every system on the same HumanEval prompts, batch 1, greedy, in this one process, and
 prints tokens/s, the speedup over target-only decoding in the same run, the mean accepted
 length (tokens per target forward pass, bonus included), the acceptance rate, and whether
-each system's output matches specserve's target-only output token for token.
+each system's output matches specserve's target-only output token for token (in bfloat16,
+kernels round differently for different batch shapes, so greedy outputs can drift apart after
+a near-tie; run with --dtype float32 to see the exactness guarantee on real weights).
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=8, help="first N HumanEval problems")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("-k", "--k", type=int, nargs="+", default=[4], help="draft lengths to measure")
+    parser.add_argument("--confidence", type=float, nargs="+", default=[0.5],
+                        help="draft early-stop thresholds to measure (0 = always draft k)")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers peers")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
@@ -108,29 +112,34 @@ def main(argv=None) -> int:
     # warm-up: first calls pay for allocator growth and kernel selection
     decoder.generate([prompt_ids[0][:16]], method="draft", k=2)
 
-    results = [run_specserve(decoder, "specserve none (target only)", prompt_ids, args.max_tokens, "none", 0)]
+    header = f"{'system':32} {'tok/s':>7} {'speedup':>8} {'acc.len':>8} {'acc.rate':>9} {'same output':>12}"
+    print(header + "\n" + "-" * len(header), flush=True)
+    results: list[SystemResult] = []
+
+    def report(result: SystemResult) -> None:
+        baseline = results[0] if results else result
+        result.matches = sum(a == b for a, b in zip(result.outputs, baseline.outputs))
+        results.append(result)
+        acc_len = f"{result.tokens / result.target_steps:.2f}" if result.target_steps else "-"
+        acc_rate = f"{result.accepted_tokens / result.draft_tokens:.2f}" if result.draft_tokens else "-"
+        print(f"{result.name:32} {result.tokens_per_second:7.2f} "
+              f"{result.tokens_per_second / baseline.tokens_per_second:7.2f}x "
+              f"{acc_len:>8} {acc_rate:>9} {result.matches:>6}/{len(prompt_ids)}", flush=True)
+
+    report(run_specserve(decoder, "specserve none (target only)", prompt_ids, args.max_tokens, "none", 0))
     for k in args.k:
-        results.append(run_specserve(decoder, f"specserve draft k={k}", prompt_ids, args.max_tokens, "draft", k))
+        for confidence in args.confidence:
+            decoder.proposer.min_confidence = confidence
+            name = f"specserve draft k={k}" + (f" conf>={confidence}" if confidence else "")
+            report(run_specserve(decoder, name, prompt_ids, args.max_tokens, "draft", k))
     if not args.skip_hf:
         eos = pair.eos_token_ids
         target_model, draft_model = pair.target.model, pair.draft.model
-        results.append(run_hf("transformers target only", target_model, prompt_ids, args.max_tokens, eos))
-        results.append(run_hf("transformers assisted", target_model, prompt_ids, args.max_tokens, eos,
-                              assistant_model=draft_model))
-        results.append(run_hf("transformers prompt lookup", target_model, prompt_ids, args.max_tokens, eos,
-                              prompt_lookup_num_tokens=10))
-
-    baseline = results[0]
-    for r in results:
-        r.matches = sum(a == b for a, b in zip(r.outputs, baseline.outputs))
-    header = f"{'system':32} {'tok/s':>7} {'speedup':>8} {'acc.len':>8} {'acc.rate':>9} {'same output':>12}"
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        acc_len = f"{r.tokens / r.target_steps:.2f}" if r.target_steps else "-"
-        acc_rate = f"{r.accepted_tokens / r.draft_tokens:.2f}" if r.draft_tokens else "-"
-        print(f"{r.name:32} {r.tokens_per_second:7.2f} {r.tokens_per_second / baseline.tokens_per_second:7.2f}x "
-              f"{acc_len:>8} {acc_rate:>9} {r.matches:>6}/{len(prompt_ids)}")
+        report(run_hf("transformers target only", target_model, prompt_ids, args.max_tokens, eos))
+        report(run_hf("transformers assisted", target_model, prompt_ids, args.max_tokens, eos,
+                      assistant_model=draft_model))
+        report(run_hf("transformers prompt lookup", target_model, prompt_ids, args.max_tokens, eos,
+                      prompt_lookup_num_tokens=10))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({

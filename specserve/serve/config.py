@@ -1,0 +1,119 @@
+"""Typed builder arguments (`args:` of `import_path: specserve.serve:build_app`).
+
+Torch-free: the Serve controller and `serve run` validate these without loading a model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from specserve.protocol import MAX_K
+from specserve.request_state import METHODS
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PoolArgs(_Strict):
+    """One model pool: a Ray Serve deployment whose replicas each hold the model."""
+
+    model: str = Field(description="registry name, local directory or Hub id")
+    engine: Literal["torch", "vllm"] = Field(
+        "torch", description="torch: specserve's own engine (CPU, one GPU). vllm: not implemented yet")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="engine-specific options")
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    device: str = "cpu"
+    torch_threads: int | None = Field(None, ge=1, description="torch threads per replica (default: num_cpus)")
+    max_cached_tokens: int = Field(1 << 20, ge=1024, description="KV cache budget per replica, in token slots")
+    # Continuous batching: calls that arrive while a forward pass runs join the next one.
+    max_batch_size: int = Field(16, ge=1, le=1024)
+    batch_wait_timeout_s: float = Field(0.002, ge=0, le=1)
+    # Ray Serve deployment options, passed through.
+    num_replicas: int | Literal["auto"] | None = None
+    autoscaling_config: dict[str, Any] | None = None
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
+    placement_group_bundles: list[dict[str, float]] | None = None
+    placement_group_strategy: str | None = None
+    max_ongoing_requests: int = Field(64, ge=1)
+    max_queued_requests: int = Field(-1, ge=-1)
+    health_check_period_s: float = Field(10, gt=0)
+    health_check_timeout_s: float = Field(60, gt=0)
+
+    @model_validator(mode="after")
+    def _replicas_or_autoscaling(self) -> PoolArgs:
+        if self.num_replicas not in (None, "auto") and self.autoscaling_config:
+            raise ValueError("give num_replicas or autoscaling_config, not both")
+        return self
+
+    def deployment_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "ray_actor_options": self.ray_actor_options,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+            "health_check_period_s": self.health_check_period_s,
+            "health_check_timeout_s": self.health_check_timeout_s,
+        }
+        for name in ("num_replicas", "autoscaling_config", "placement_group_bundles", "placement_group_strategy"):
+            if getattr(self, name) is not None:
+                options[name] = getattr(self, name)
+        return options
+
+
+class SpeculationArgs(_Strict):
+    """Deployment-wide defaults; a request may override method and k."""
+
+    method: Literal[METHODS] = "draft"  # type: ignore[valid-type]
+    k: int = Field(4, ge=0, le=MAX_K)
+    draft_min_confidence: float = Field(0.5, ge=0, le=1)
+    draft_top_m: int = Field(256, ge=1)
+    # A draft pool slower than this for a round is skipped: the round runs target-only.
+    draft_timeout_s: float = Field(5.0, gt=0)
+    # After a draft failure, rounds run target-only for this long before trying the draft again.
+    draft_retry_after_s: float = Field(2.0, ge=0)
+
+
+class RouterArgs(_Strict):
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
+    num_replicas: int | Literal["auto"] | None = None
+    autoscaling_config: dict[str, Any] | None = None
+    # Beyond ongoing + queued requests the HTTP proxy answers 503 (Serve backpressure).
+    max_ongoing_requests: int = Field(64, ge=1)
+    max_queued_requests: int = Field(64, ge=-1)
+    # A target call that fails because its replica died is retried on another replica.
+    target_retry_timeout_s: float = Field(120.0, gt=0)
+
+    def deployment_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "ray_actor_options": self.ray_actor_options,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+        }
+        for name in ("num_replicas", "autoscaling_config"):
+            if getattr(self, name) is not None:
+                options[name] = getattr(self, name)
+        return options
+
+
+class AppArgs(_Strict):
+    model_name: str | None = Field(None, description="name served at /v1/models (default: target.model)")
+    target: PoolArgs
+    draft: PoolArgs | None = None
+    speculation: SpeculationArgs = Field(default_factory=SpeculationArgs)
+    router: RouterArgs = Field(default_factory=RouterArgs)
+    max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request gives none")
+    # Compare the two tokenizers when the app is built (needs the tokenizer files locally or a
+    # reachable hub); the pools compare again at start-up either way.
+    check_vocabulary_at_build: bool = True
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> AppArgs:
+        if self.speculation.method == "draft" and self.draft is None:
+            raise ValueError("speculation.method 'draft' needs a draft pool: add `draft:` or use method 'none'")
+        return self
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or self.target.model

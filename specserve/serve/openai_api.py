@@ -1,0 +1,137 @@
+"""OpenAI-compatible request bodies, responses and error bodies (pydantic, torch-free)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specserve.protocol import MAX_K, SamplingParams
+from specserve.request_state import METHODS
+
+
+class SpeculationOverride(BaseModel):
+    """specserve extension: per-request speculation, e.g. {"method": "none"} or {"k": 2}."""
+
+    model_config = ConfigDict(extra="forbid")
+    method: Literal[METHODS] | None = None  # type: ignore[valid-type]
+    k: int | None = Field(None, ge=0, le=MAX_K)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields are ignored, like vLLM does
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="extension: 0 disables top-k")
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    logprobs: Any = None
+    speculation: SpeculationOverride | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        if len(stops) > 8:
+            raise ValueError("at most 8 stop sequences")
+        return stops
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.logprobs not in (None, False, 0):
+            raise ValueError("logprobs are not supported")
+        return self
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_tokens=self.max_tokens or default_max_tokens, seed=self.seed,
+            stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,
+        )
+
+
+class CompletionRequest(_GenerationBody):
+    prompt: str | list[int]
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value):
+        if not value:
+            raise ValueError("the prompt is empty")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value):
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"message content of type {part.get('type')!r} is not supported")
+            parts.append(part.get("text", ""))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_GenerationBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _max(self):
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, stats: dict) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "speculation": stats,  # extension: accepted length, acceptance rate, target steps ...
+    }

@@ -1,0 +1,163 @@
+"""Model pool deployments: DraftPool and TargetPool, each an autoscaled pool of replicas that
+each hold one engine worker and the KV caches of the requests routed to it.
+
+Thin Ray Serve glue: the engine is built by `build_engine` (injectable for tests), and all
+model work happens in the worker, in a thread, one batch at a time. Calls that arrive while a
+forward pass runs are batched into the next one (`serve.batch`), so concurrent requests share
+forward passes: continuous batching at round granularity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable
+
+from ray import serve
+
+from specserve.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResult
+
+logger = logging.getLogger("ray.serve")
+PROBE_ID = "__specserve_health_probe__"
+
+
+def default_engine(pool_args: dict[str, Any]):
+    """Load the model of a pool into a torch worker. Imports torch: only pool replicas call it."""
+    if pool_args["engine"] != "torch":
+        raise RuntimeError(f"engine {pool_args['engine']!r} is not implemented yet; use engine: torch")
+    from specserve import models
+    from specserve.engine.torch_worker import TorchWorker
+    from specserve.loading import set_torch_threads
+
+    set_torch_threads(pool_args.get("torch_threads") or _cpus_of_this_replica())
+    model = models.load_causal_lm(pool_args["model"], dtype=pool_args["dtype"], device=pool_args["device"])
+    return TorchWorker(model, max_cached_tokens=pool_args["max_cached_tokens"])
+
+
+def _cpus_of_this_replica() -> int:
+    try:
+        import ray
+
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+    except Exception:  # not inside Ray
+        cpus = os.cpu_count() or 1
+    return max(1, int(round(cpus)))
+
+
+def vocabulary_signature(model_ref: str) -> str:
+    """A hash of the token -> id mapping and EOS ids, to compare pools without moving vocabularies."""
+    from specserve.text import TextCodec
+
+    codec = TextCodec.for_model(model_ref)
+    vocab = sorted(codec.tokenizer.get_vocab(with_added_tokens=True).items())
+    return hashlib.sha256(json.dumps([vocab, codec.config.get("eos_token")]).encode()).hexdigest()
+
+
+class _Pool:
+    def __init__(self, pool_args: dict[str, Any], build_engine: Callable | None = None):
+        self.args = pool_args
+        started = time.monotonic()
+        self.worker = (build_engine or default_engine)(pool_args)
+        self._lock = threading.Lock()  # the worker is single-threaded; releases wait for the batch
+        self._last_forward = time.monotonic()
+        self._batches = 0
+        self._batched_calls = 0
+        self._batch_method().set_max_batch_size(pool_args["max_batch_size"])
+        self._batch_method().set_batch_wait_timeout_s(pool_args["batch_wait_timeout_s"])
+        logger.info("%s ready: %s in %.1f s", type(self).__name__, pool_args["model"], time.monotonic() - started)
+
+    def _batch_method(self):
+        raise NotImplementedError
+
+    def _run(self, fn, requests):
+        with self._lock:
+            out = fn(requests)
+            self._last_forward = time.monotonic()
+            self._batches += 1
+            self._batched_calls += len(requests)
+            return out
+
+    async def release(self, request_id: str) -> bool:
+        return await asyncio.to_thread(self._locked_release, request_id)
+
+    def _locked_release(self, request_id: str) -> bool:
+        with self._lock:
+            return self.worker.release(request_id)
+
+    async def stats(self) -> dict:
+        with self._lock:
+            stats = self.worker.cache_stats()
+        return {**stats, "batches": self._batches, "batched_calls": self._batched_calls, "pid": os.getpid(),
+                "replica": serve.get_replica_context().replica_id.unique_id}
+
+    async def vocabulary_signature(self) -> str:
+        return await asyncio.to_thread(vocabulary_signature, self.args["model"])
+
+    async def check_health(self) -> None:
+        """Healthy means the model still runs: when idle, push one token through it."""
+        if time.monotonic() - self._last_forward < self.args["health_check_period_s"]:
+            return
+        await asyncio.to_thread(self._probe)
+
+    def _probe(self) -> None:
+        from specserve.engine.torch_worker import ForwardItem
+
+        with self._lock:
+            [logits] = self.worker.forward([ForwardItem(PROBE_ID, [0])])
+            self.worker.release(PROBE_ID)
+            if not bool(logits.isfinite().all()):
+                raise RuntimeError("the model produced non-finite logits")
+            self._last_forward = time.monotonic()
+
+
+@serve.deployment
+class DraftPool(_Pool):
+    def __init__(self, pool_args: dict[str, Any], speculation: dict[str, Any], build_engine: Callable | None = None):
+        super().__init__(pool_args, build_engine)
+        from specserve.proposers.draft_model import DraftModelProposer
+
+        self.proposer = DraftModelProposer(self.worker, top_m=speculation["draft_top_m"],
+                                           min_confidence=speculation["draft_min_confidence"])
+
+    def _batch_method(self):
+        return self._propose_batch
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
+    async def _propose_batch(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        return await asyncio.to_thread(self._run, self.proposer.propose, requests)
+
+    async def propose(self, request: ProposeRequest) -> Proposal:
+        return await self._propose_batch(request)
+
+
+@serve.deployment
+class TargetPool(_Pool):
+    def __init__(self, pool_args: dict[str, Any], build_engine: Callable | None = None):
+        super().__init__(pool_args, build_engine)
+        from specserve.verifier import Verifier
+
+        self.verifier = Verifier(self.worker)
+
+    def _batch_method(self):
+        return self._verify_batch
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
+    async def _verify_batch(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        return await asyncio.to_thread(self._run, self.verifier.verify, requests)
+
+    async def verify(self, request: VerifyRequest) -> VerifyResult:
+        return await self._verify_batch(request)
+
+    async def model_info(self) -> dict:
+        return {"max_context": self.worker.config.max_position_embeddings,
+                "eos_token_ids": sorted(self._eos_ids())}
+
+    def _eos_ids(self) -> set[int]:
+        from specserve.loading import eos_ids
+
+        return eos_ids(self.worker.model, None)

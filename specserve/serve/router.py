@@ -1,0 +1,262 @@
+"""The Router deployment: the HTTP ingress that owns every request and drives its rounds.
+
+Each request runs its own round loop (propose -> verify -> commit -> stream); the pools batch
+the calls of concurrent requests into shared forward passes. The router is torch-free.
+
+Failure handling, all exact:
+- draft pool down, failing or slower than `draft_timeout_s`: the round runs target-only, and
+  the draft is left alone for `draft_retry_after_s`;
+- target replica died mid-call: the same VerifyRequest is retried on another replica. It is
+  deterministic (same token ids, same draft, same seed), so no token is lost or repeated;
+- client gone (stream closed, request cancelled): the request's caches are released in both pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specserve.protocol import Proposal, ProposeRequest, SpecserveError, VerifyRequest, VerifyResult
+from specserve.request_state import RequestState
+from specserve.serve.config import AppArgs
+from specserve.serve.openai_api import (
+    ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage,
+)
+from specserve.text import TextCodec
+
+logger = logging.getLogger("ray.serve")
+RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+app = FastAPI(title="specserve", description="Exact speculative decoding, OpenAI-compatible API")
+
+
+class ModelNotFound(Exception):
+    pass
+
+
+def _error(status: int, message: str, **kw) -> JSONResponse:
+    return JSONResponse(error_body(message, **kw), status_code=status)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return _error(400, "; ".join(problems) or "invalid request")
+
+
+@app.exception_handler(SpecserveError)
+async def _specserve_error(request: Request, exc: SpecserveError):
+    return _error(400, str(exc))
+
+
+@app.exception_handler(ModelNotFound)
+async def _model_not_found(request: Request, exc: ModelNotFound):
+    return _error(404, str(exc), code="model_not_found", param="model")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    return _error(exc.status_code, str(exc.detail), type_="invalid_request_error" if exc.status_code < 500 else "server_error")
+
+
+class TextStream:
+    """Turns the growing output into text deltas that never end inside a multi-byte character
+    and never show the beginning of a stop sequence that may still complete."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.sent = 0
+
+    def delta(self, text: str, final: bool) -> str:
+        end = len(text)
+        if not final:
+            end = len(text.rstrip("\ufffd")) - self.hold
+        if end <= self.sent:
+            return ""
+        out = text[self.sent:end]
+        self.sent = end
+        return out
+
+
+@serve.deployment
+@serve.ingress(app)
+class Router:
+    def __init__(self, target: DeploymentHandle, draft: DeploymentHandle | None, args: dict):
+        self.args = AppArgs.model_validate(args)
+        self.spec = self.args.speculation
+        self.target = target
+        self.draft = draft
+        self.codec = TextCodec.for_model(self.args.target.model)
+        self._info: dict | None = None
+        self._info_lock = asyncio.Lock()
+        self._draft_down_until = 0.0
+
+    # ---- pool plumbing -------------------------------------------------------------------
+
+    async def _model_info(self) -> dict:
+        """Asked of the pools once: context length, EOS ids, and whether the draft pool's
+        vocabulary matches the target's (refused otherwise)."""
+        async with self._info_lock:
+            if self._info is None:
+                info = await self.target.model_info.remote()
+                if self.draft is not None:
+                    theirs, ours = await asyncio.gather(self.draft.vocabulary_signature.remote(),
+                                                        self.target.vocabulary_signature.remote())
+                    if theirs != ours:
+                        raise SpecserveError("the draft pool's vocabulary differs from the target pool's")
+                self._info = info
+        return self._info
+
+    async def _propose(self, request: ProposeRequest) -> Proposal | None:
+        if self.draft is None or time.monotonic() < self._draft_down_until:
+            return None
+        try:
+            return await asyncio.wait_for(self.draft.propose.remote(request), self.spec.draft_timeout_s)
+        except Exception as exc:  # any draft failure only costs speed: go target-only for a while
+            self._draft_down_until = time.monotonic() + self.spec.draft_retry_after_s
+            logger.warning("draft pool unavailable (%s: %s); running target-only rounds", type(exc).__name__, exc)
+            return None
+
+    async def _verify(self, request: VerifyRequest) -> VerifyResult:
+        deadline = time.monotonic() + self.args.router.target_retry_timeout_s
+        attempt = 0
+        while True:
+            try:
+                return await self.target.verify.remote(request)
+            except RETRYABLE as exc:
+                attempt += 1
+                if time.monotonic() > deadline:
+                    raise
+                logger.warning("target replica lost (%s); retrying round, attempt %d", type(exc).__name__, attempt)
+                await asyncio.sleep(min(0.2 * attempt, 2.0))
+
+    def _release(self, request_id: str) -> None:
+        async def release(pool):
+            try:
+                await pool.release.remote(request_id)
+            except Exception:  # the replica is gone: its caches went with it
+                pass
+
+        for pool in (self.target, self.draft):
+            if pool is not None:
+                asyncio.get_running_loop().create_task(release(pool))
+
+    async def _rounds(self, state: RequestState) -> AsyncIterator[list[int]]:
+        try:
+            while not state.finished:
+                propose = state.propose_request()
+                proposal = await self._propose(propose) if propose.k > 0 else None
+                verify = state.verify_request(proposal)
+                result = await self._verify(verify)
+                emitted = state.commit(result, len(verify.draft))
+                state.finish_at_stop_string(self.codec.decode)
+                yield emitted
+        finally:
+            self._release(state.request_id)
+
+    # ---- requests ----------------------------------------------------------------------
+
+    async def _start(self, body, prompt_ids: list[int]) -> RequestState:
+        if body.model != self.args.served_name:
+            raise ModelNotFound(f"model {body.model!r} is not served here; this server serves {self.args.served_name!r}")
+        info = await self._model_info()
+        method = self.spec.method
+        k = self.spec.k
+        if body.speculation is not None:
+            method = body.speculation.method or method
+            k = body.speculation.k if body.speculation.k is not None else k
+        if method == "draft" and self.draft is None:
+            raise SpecserveError("this deployment has no draft pool: use speculation method 'none'")
+        if any(t < 0 or t >= self.codec.tokenizer.get_vocab_size(with_added_tokens=True) for t in prompt_ids):
+            raise SpecserveError("the prompt contains token ids outside the vocabulary")
+        return RequestState(
+            uuid.uuid4().hex, prompt_ids, body.sampling_params(self.args.max_tokens_default), method, k,
+            frozenset(info["eos_token_ids"]), info["max_context"],
+        )
+
+    def _text(self, state: RequestState) -> str:
+        return state.stop_text if state.stop_text is not None else self.codec.decode(state.output_ids)
+
+    @app.get("/healthz")
+    async def healthz(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [
+            {"id": self.args.served_name, "object": "model", "created": 0, "owned_by": "specserve"}]}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        prompt_ids = body.prompt if isinstance(body.prompt, list) else self.codec.encode(body.prompt)
+        state = await self._start(body, prompt_ids)
+        return await self._respond(body, state, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest):
+        state = await self._start(body, self.codec.encode_chat(body.template_messages()))
+        return await self._respond(body, state, chat=True)
+
+    async def _respond(self, body, state: RequestState, *, chat: bool):
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        created = now()
+        if body.stream:
+            return StreamingResponse(self._sse(body, state, chat, rid, created), media_type="text/event-stream")
+        async for _ in self._rounds(state):
+            pass
+        text = self._text(state)
+        choice = {"index": 0, "finish_reason": state.finish_reason, "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        return {
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": self.args.served_name, "choices": [choice],
+            "usage": usage(len(state.prompt_ids), len(state.output_ids), state.stats.as_dict()),
+        }
+
+    async def _sse(self, body, state: RequestState, chat: bool, rid: str, created: int) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
+                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            return "data: " + json.dumps({"id": rid, "object": obj, "created": created,
+                                          "model": self.args.served_name, "choices": [choice]}) + "\n\n"
+
+        stream = TextStream(state.params.stop)
+        if chat:
+            yield chunk(None, None, first=True)
+        try:
+            async for _ in self._rounds(state):
+                delta = stream.delta(self._text(state), final=state.finished)
+                if delta and not state.finished:
+                    yield chunk(delta, None)
+                elif state.finished:
+                    if delta:
+                        yield chunk(delta, None)
+                    yield chunk(None, state.finish_reason)
+        except SpecserveError as exc:  # headers are sent: report in-band, as OpenAI does
+            yield "data: " + json.dumps(error_body(str(exc))) + "\n\n"
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield "data: " + json.dumps({
+                "id": rid, "object": obj, "created": created, "model": self.args.served_name, "choices": [],
+                "usage": usage(len(state.prompt_ids), len(state.output_ids), state.stats.as_dict()),
+            }) + "\n\n"
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,103 @@
+"""Fast tier for the serving layer: manifests, builder args, text codec, streaming deltas."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve.schema import ServeDeploySchema
+
+from specserve import models
+from specserve.protocol import SpecserveError
+from specserve.serve.affinity import request_id_of
+from specserve.serve.config import AppArgs
+from specserve.serve.router import TextStream
+
+MANIFESTS = sorted((Path(__file__).parent.parent / "manifests").glob("*.yaml"))
+
+
+def test_there_are_manifests():
+    assert {m.name for m in MANIFESTS} >= {"local.yaml", "llama70b.yaml"}
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_every_manifest_validates_with_ray_and_specserve(path):
+    config = yaml.safe_load(path.read_text())
+    schema = ServeDeploySchema.model_validate(config)
+    for app in schema.applications:
+        assert app.import_path == "specserve.serve:build_app"
+        AppArgs.model_validate(app.args)
+
+
+def test_ray_schema_and_args_reject_broken_manifests():
+    config = yaml.safe_load(next(m for m in MANIFESTS if m.name == "local.yaml").read_text())
+    broken = {**config, "applications": [{**config["applications"][0], "import_path": "specserve-serve-build-app"}]}
+    with pytest.raises(ValidationError):
+        ServeDeploySchema.model_validate(broken)
+    args = config["applications"][0]["args"]
+    with pytest.raises(ValidationError, match="needs a draft pool"):
+        AppArgs.model_validate({**args, "draft": None})
+    with pytest.raises(ValidationError, match="less than or equal to 64"):
+        AppArgs.model_validate({**args, "speculation": {"k": 65}})
+    with pytest.raises(ValidationError, match="method"):
+        AppArgs.model_validate({**args, "speculation": {"method": "medusa-typo"}})
+    with pytest.raises(ValidationError, match="extra"):
+        AppArgs.model_validate({**args, "targte": {}})
+    with pytest.raises(ValidationError, match="not both"):
+        AppArgs.model_validate({**args, "target": {**args["target"], "autoscaling_config": {"max_replicas": 2}}})
+
+
+def test_builder_refuses_a_draft_with_another_vocabulary(tmp_path):
+    from specserve.serve import build_app
+
+    for name in ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"):
+        if not models.is_cached(name):
+            pytest.skip(f"{name} not pulled")
+    with pytest.raises(SpecserveError, match="do not share a vocabulary"):
+        build_app({"target": {"model": "smollm2-135m-instruct"}, "draft": {"model": "qwen2.5-coder-0.5b-instruct"}})
+
+
+def test_builder_wants_registry_models_pulled_first(tmp_path, monkeypatch):
+    from specserve.serve import build_app
+
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
+    with pytest.raises(Exception, match="specserve models pull"):
+        build_app({"target": {"model": "smollm2-135m-instruct"}, "draft": {"model": "smollm2-135m-instruct"}})
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
+def test_text_codec_matches_transformers(name):
+    if not models.is_cached(name):
+        pytest.skip(f"{name} not pulled")
+    from specserve.text import TextCodec
+
+    hf = models.load_tokenizer(name)
+    codec = TextCodec.for_model(name)
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Write `def f(x):` — with ünïcode & <tags>."}]
+    assert codec.chat_prompt(messages) == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = "def fib(n):\n    return n if n < 2 else fib(n-1) + fib(n-2)  # ünï 😀"
+    assert codec.encode(text) == hf.encode(text)
+    ids = hf.encode(text) + [hf.eos_token_id]
+    assert codec.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
+    stream = TextStream(stops=("STOP",))
+    assert stream.delta("hello wo", final=False) == "hello"  # 3 chars held: could start "STOP"
+    assert stream.delta("hello world\ufffd", final=False) == " wo"
+    assert stream.delta("hello world!", final=True) == "rld!"
+    plain = TextStream(stops=())
+    assert plain.delta("abc", final=False) == "abc"
+    assert plain.delta("abc\ufffd", final=False) == ""
+
+
+def test_affinity_router_reads_request_ids():
+    from types import SimpleNamespace
+
+    from specserve.protocol import SamplingParams, VerifyRequest
+
+    verify = VerifyRequest("r1", [1, 2], SamplingParams(), 0)
+    assert request_id_of(SimpleNamespace(args=[verify])) == "r1"
+    assert request_id_of(SimpleNamespace(args=["r2"])) == "r2"
+    assert request_id_of(SimpleNamespace(args=[])) is None
