@@ -4,7 +4,8 @@ Every pool call carries a request id (ProposeRequest / VerifyRequest, or the id 
 `release`). The first call of a request goes to the less loaded of two random replicas; later
 calls prefer the replica that served it before. When that replica is gone or full, any other
 replica takes the call and recomputes the cache from the token ids the call carries, so
-affinity is an optimisation, never a requirement.
+affinity is an optimisation, never a requirement. Calls without a request id (pool stats) go to
+a uniformly random replica.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ class CacheAffinityRouter(LocalityMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
-        owner = self._owner.get(request_id_of(pending_request) or "")
+        rid = request_id_of(pending_request)
+        if rid is None:  # calls about the pool (stats): any replica, uniformly, whatever its load
+            return [[r] for r in random.sample(candidate_replicas, len(candidate_replicas))]
+        owner = self._owner.get(rid)
         ranks = [[r for r in candidate_replicas if r.replica_id == owner]] if owner else []
         others = [r for r in candidate_replicas if r.replica_id != owner]
         if others:

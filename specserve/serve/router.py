@@ -11,7 +11,6 @@ Failure handling, all exact:
 - client gone (stream closed, request cancelled): the request's caches are released in both pools.
 """
 
-from __future__ import annotations
 
 import asyncio
 import json

@@ -1,0 +1,338 @@
+"""Integration: a real Ray cluster serving SmolLM2-135M (fp32) through specserve's pools and router,
+called with the official `openai` client and raw HTTP. One cluster and one app for the session.
+
+The target pool has two replicas so that killing one leaves another; the draft is SmolLM2's
+first 27 layers (same vocabulary, agrees often but not always).
+"""
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import hf_greedy
+from specserve import models
+
+pytestmark = [pytest.mark.serve, pytest.mark.slow]
+
+SMOL = "smollm2-135m-instruct"
+PORT = 8765
+BASE = f"http://127.0.0.1:{PORT}"
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    if not models.is_cached(SMOL):
+        pytest.skip(f"run `specserve models pull {SMOL}` first (make test does)")
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """The target alone, in this process: transformers' greedy decoding."""
+    tokenizer = models.load_tokenizer(SMOL)
+    model = models.load_causal_lm(SMOL, dtype="float32")
+
+    def greedy_ids(prompt_ids: list[int], max_tokens: int) -> list[int]:
+        return hf_greedy(model, prompt_ids, max_tokens, eos_token_id=tokenizer.eos_token_id)
+
+    def greedy_text(prompt_ids: list[int], max_tokens: int) -> str:
+        return tokenizer.decode(greedy_ids(prompt_ids, max_tokens), skip_special_tokens=True)
+
+    greedy_text.ids = greedy_ids
+
+    def chat_ids(content: str) -> list[int]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    return tokenizer, model, greedy_text, chat_ids
+
+
+@pytest.fixture(scope="session")
+def app(cluster, reference, tmp_path_factory):
+    from ray import serve
+
+    from specserve.serve import build_app
+
+    _, model, _, _ = reference
+    draft_dir = tmp_path_factory.mktemp("draft")
+    import copy
+
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:27]
+    draft.config.num_hidden_layers = 27
+    draft.save_pretrained(draft_dir)
+    source = models.model_dir(SMOL)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(source / name, draft_dir / name)
+    pool = {"dtype": "float32", "torch_threads": 1, "ray_actor_options": {"num_cpus": 1},
+            "health_check_period_s": 2, "health_check_timeout_s": 30}
+    serve.run(build_app({
+        "model_name": "smol",
+        "target": {"model": SMOL, "num_replicas": 2, **pool},
+        "draft": {"model": str(draft_dir), "num_replicas": 1, **pool},
+        "speculation": {"k": 3, "draft_min_confidence": 0.0, "draft_timeout_s": 3, "draft_retry_after_s": 0.5},
+        "router": {"max_ongoing_requests": 8, "max_queued_requests": 4, "target_retry_timeout_s": 60},
+    }), name="specserve", route_prefix="/")
+    return serve.get_deployment_handle("TargetPool", "specserve"), serve.get_deployment_handle("DraftPool", "specserve")
+
+
+@pytest.fixture(scope="session")
+def client(app):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def pool_stats(handle, calls: int = 16) -> dict[str, dict]:
+    """Stats of every replica of a pool (stats calls land on uniformly random replicas)."""
+    seen = {}
+    for _ in range(calls):
+        try:
+            s = handle.stats.remote().result(timeout_s=10)
+        except Exception:  # a replica that just died, before this handle heard of it
+            continue
+        seen[s["replica"]] = s
+    return seen
+
+
+def wait_for(condition, timeout=60, interval=0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return False
+
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,"]
+
+
+def test_models_and_health(client):
+    assert [m.id for m in client.models.list().data] == ["smol"]
+    assert httpx.get(f"{BASE}/healthz").json() == {"status": "ok"}
+
+
+def test_completions_greedy_equal_the_target_alone(client, reference):
+    tokenizer, _, greedy_text, _ = reference
+    for prompt in PROMPTS[:2]:
+        r = client.completions.create(model="smol", prompt=prompt, max_tokens=40, temperature=0)
+        expected = greedy_text.ids(tokenizer.encode(prompt), 40)
+        assert r.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+        assert r.usage.completion_tokens == len(expected)
+        assert r.choices[0].finish_reason == ("length" if len(expected) == 40 else "stop")
+        spec = r.usage.model_extra["speculation"]
+        assert spec["num_draft_tokens"] > 0 and spec["mean_accepted_length"] > 1
+
+
+def test_chat_completions_greedy_stream_and_not(client, reference):
+    _, _, greedy_text, chat_ids = reference
+    question = "Name three colors."
+    expected = greedy_text(chat_ids(question), 48)
+    r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": question}],
+                                       max_tokens=48, temperature=0)
+    assert r.choices[0].message.content == expected
+    stream = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": question}],
+                                            max_tokens=48, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+
+
+def test_raw_sse_ends_with_done(app):
+    with httpx.stream("POST", f"{BASE}/v1/completions", timeout=120, json={
+            "model": "smol", "prompt": "Hello", "max_tokens": 8, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_per_request_speculation_override(client, reference):
+    tokenizer, _, greedy_text, _ = reference
+    r = client.completions.create(model="smol", prompt=PROMPTS[2], max_tokens=24, temperature=0,
+                                  extra_body={"speculation": {"method": "none"}})
+    assert r.choices[0].text == greedy_text(tokenizer.encode(PROMPTS[2]), 24)
+    assert r.usage.model_extra["speculation"]["num_draft_tokens"] == 0
+
+
+def test_sampling_with_a_seed_is_reproducible(client):
+    runs = [client.completions.create(model="smol", prompt="Tell me a story:", max_tokens=24, temperature=0.9,
+                                      top_p=0.95, seed=1234).choices[0].text for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def _stream_text(prompt: str, max_tokens: int, on_chunk=None) -> str:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=300)
+    parts = []
+    for i, chunk in enumerate(client.completions.create(model="smol", prompt=prompt, max_tokens=max_tokens,
+                                                         temperature=0, stream=True)):
+        parts.append(chunk.choices[0].text)
+        if on_chunk is not None:
+            on_chunk(i)
+    return "".join(parts)
+
+
+def _concurrent_streams(prompts, max_tokens, on_chunk=None) -> list[str]:
+    results: list[str | BaseException] = [""] * len(prompts)
+
+    def run(i, p):
+        try:
+            results[i] = _stream_text(p, max_tokens, on_chunk)
+        except BaseException as exc:  # reported below
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def test_concurrent_streams_are_all_exact(app, reference):
+    tokenizer, _, greedy_text, _ = reference
+    texts = _concurrent_streams(PROMPTS, 32)
+    assert texts == [greedy_text(tokenizer.encode(p), 32) for p in PROMPTS]
+
+
+def test_pool_batches_concurrent_calls_into_shared_forward_passes(app, reference):
+    from specserve.protocol import SamplingParams, TokenTree, VerifyRequest
+
+    tokenizer = reference[0]
+    target, _ = app
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    requests = [VerifyRequest(f"batch-{i}", ids[i % 4], SamplingParams(), 0, TokenTree.chain([11, 12]))
+                for i in range(16)]
+    alone = [target.verify.remote(r).result() for r in requests[:4]]
+    before = sum(s["batched_calls"] - s["batches"] for s in pool_stats(target).values())
+    together = [resp.result() for resp in [target.verify.remote(r) for r in requests]]
+    after = sum(s["batched_calls"] - s["batches"] for s in pool_stats(target).values())
+    assert after > before  # several calls shared one forward pass
+    assert [r.tokens for r in together[:4]] == [r.tokens for r in alone]
+    for r in requests:
+        target.release.remote(r.request_id).result()
+
+
+def test_killing_the_draft_replica_mid_stream_keeps_streams_exact(app, reference):
+    tokenizer, _, greedy_text, _ = reference
+    _, draft = app
+    [draft_pid] = {s["pid"] for s in pool_stats(draft, 3).values()}
+    killed = threading.Event()
+
+    def kill_once(i):
+        if i == 5 and not killed.is_set():
+            killed.set()
+            os.kill(draft_pid, signal.SIGKILL)
+
+    prompts = PROMPTS[:2]
+    texts = _concurrent_streams(prompts, 64, on_chunk=kill_once)
+    assert killed.is_set()
+    assert texts == [greedy_text(tokenizer.encode(p), 64) for p in prompts]
+    assert wait_for(lambda: len(pool_stats(draft)) == 1, timeout=120)  # Serve brings the draft back
+
+
+def test_killing_a_target_replica_mid_stream_fails_over_exactly(app, reference):
+    tokenizer, _, greedy_text, _ = reference
+    target, _ = app
+    killed = []
+
+    def kill_busy_replica(i):
+        if i == 5 and not killed:
+            killed.append(True)
+            busy = [s for s in pool_stats(target).values() if s["requests"] > 0]
+            os.kill(busy[0]["pid"], signal.SIGKILL)
+
+    texts = _concurrent_streams(PROMPTS, 64, on_chunk=kill_busy_replica)
+    assert killed
+    assert texts == [greedy_text(tokenizer.encode(p), 64) for p in PROMPTS]
+    assert wait_for(lambda: len(pool_stats(target)) == 2, timeout=120)  # Serve replaces the replica
+
+
+def test_client_disconnect_frees_caches_in_both_pools(app, client):
+    target, draft = app
+
+    def cached_requests() -> int:
+        return sum(s["requests"] for pool in (target, draft) for s in pool_stats(pool).values())
+
+    assert wait_for(lambda: cached_requests() == 0)
+    with httpx.stream("POST", f"{BASE}/v1/completions", timeout=120, json={
+            "model": "smol", "prompt": "Write a long essay about the sea.", "max_tokens": 400,
+            "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()  # keep the iterator: dropping it would close the connection now
+        for _ in range(6):
+            next(lines)
+        assert cached_requests() >= 2  # the request's caches in the target pool and the draft pool
+        r.close()  # disconnect mid-stream
+    # the client is gone: the router's stream is cancelled and both pools drop the caches
+    assert wait_for(lambda: cached_requests() == 0, timeout=60)
+    r = client.completions.create(model="smol", prompt="Hi", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    ({"model": "nope", "prompt": "x"}, 404, "not served"),
+    ({"model": "smol", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": "smol", "prompt": "x", "temperature": 3}, 400, "temperature"),
+    ({"model": "smol", "prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"model": "smol", "prompt": ""}, 400, "empty"),
+    ({"model": "smol", "prompt": [1] * 9000}, 400, "context"),
+    ({"model": "smol", "prompt": [10 ** 7]}, 400, "vocabulary"),
+    ({"model": "smol", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "smol", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "smol", "prompt": "x", "speculation": {"method": "medusa-typo"}}, 400, "speculation"),
+    ({"model": "smol", "prompt": "x", "speculation": {"k": -1}}, 400, "speculation"),
+    ({"model": "smol"}, 400, "prompt"),
+])
+def test_bad_requests_get_openai_style_errors(app, body, status, fragment):
+    r = httpx.post(f"{BASE}/v1/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_bad_chat_bodies(app):
+    r = httpx.post(f"{BASE}/v1/completions", content=b'{"model": "smol", "prompt": ', timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(f"{BASE}/v1/chat/completions", json={"model": "smol", "messages": []}, timeout=60)
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(f"{BASE}/v1/chat/completions", json={"model": "smol", "messages": [{"role": "wizard", "content": "x"}]},
+                   timeout=60)
+    assert r.status_code == 400
+
+
+def test_overload_gets_503_not_a_hang(app):
+    async def burst():
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(*[
+                http.post(f"{BASE}/v1/completions", json={"model": "smol", "prompt": f"Count to {i}:",
+                                                          "max_tokens": 24, "temperature": 0})
+                for i in range(24)])
+
+    statuses = [r.status_code for r in asyncio.run(burst())]
+    assert set(statuses) <= {200, 503}
+    assert statuses.count(503) >= 8  # 8 ongoing + 4 queued at most
+    assert statuses.count(200) >= 4
