@@ -127,6 +127,7 @@ class Proposal:
     request_id: str
     tokens: list[int]
     dists: SparseDist | None = None  # None for greedy requests
+    compute_s: float = 0.0  # the pool's time in the batch that produced it
 
 
 @dataclass
@@ -144,3 +145,4 @@ class VerifyResult:
     request_id: str
     num_accepted: int  # draft tokens accepted
     tokens: list[int]  # accepted draft tokens + one recovered or bonus token from the target
+    compute_s: float = 0.0  # the pool's time in the batch that produced it

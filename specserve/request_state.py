@@ -28,6 +28,8 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     generated_tokens: int = 0
+    # Serving only: wall time of pool calls minus the pools' compute time (transport, queueing).
+    round_trip_overhead_s: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -44,6 +46,7 @@ class SpecStats:
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
         self.generated_tokens += other.generated_tokens
+        self.round_trip_overhead_s += other.round_trip_overhead_s
         for pos, n in enumerate(other.num_accepted_tokens_per_pos):
             if pos == len(self.num_accepted_tokens_per_pos):
                 self.num_accepted_tokens_per_pos.append(0)
@@ -58,6 +61,8 @@ class SpecStats:
             "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "round_trip_overhead_ms_per_round": round(
+                1000 * self.round_trip_overhead_s / self.target_steps if self.target_steps else 0.0, 3),
         }
 
 
@@ -77,6 +82,9 @@ class RequestState:
     k: int = 4
     eos_token_ids: frozenset[int] = frozenset()
     max_context: int | None = None  # the models' context length: generation stops there
+    # Serving: the first round drafts nothing, so the first token costs one target prefill
+    # (time to first token); the draft catches up on the prompt in round two.
+    prefill_without_draft: bool = False
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"
     stop_text: str | None = None  # the output text cut before a matched stop sequence
@@ -113,7 +121,7 @@ class RequestState:
     def round_k(self) -> int:
         """Draft length this round: never draft tokens that could not be emitted (the round's
         recovered/bonus token takes one of the remaining places)."""
-        if self.method == "none":
+        if self.method == "none" or (self.prefill_without_draft and not self.output_ids):
             return 0
         return max(0, min(self.k, self.room() - 1))
 

@@ -3,7 +3,7 @@ each hold one engine worker and the KV caches of the requests routed to it.
 
 Thin Ray Serve glue: the engine is built by `build_engine` (injectable for tests), and all
 model work happens in the worker, in a thread, one batch at a time. Calls that arrive while a
-forward pass runs are batched into the next one (`serve.batch`), so concurrent requests share
+forward pass runs are batched into the next one (ContinuousBatcher), so concurrent requests share
 forward passes: continuous batching at round granularity.
 """
 
@@ -21,6 +21,7 @@ from typing import Any, Callable
 from ray import serve
 
 from specserve.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResult
+from specserve.serve.batching import ContinuousBatcher
 
 logger = logging.getLogger("ray.serve")
 PROBE_ID = "__specserve_health_probe__"
@@ -67,19 +68,27 @@ class _Pool:
         self._last_forward = time.monotonic()
         self._batches = 0
         self._batched_calls = 0
-        self._batch_method().set_max_batch_size(pool_args["max_batch_size"])
-        self._batch_method().set_batch_wait_timeout_s(pool_args["batch_wait_timeout_s"])
+        self._busy_s = 0.0
+        self.batcher = ContinuousBatcher(lambda requests: self._run(self._batch_fn(), requests),
+                                         max_batch_size=pool_args["max_batch_size"],
+                                         wait_s=pool_args["batch_wait_timeout_s"])
         logger.info("%s ready: %s in %.1f s", type(self).__name__, pool_args["model"], time.monotonic() - started)
 
-    def _batch_method(self):
+    def _batch_fn(self):
+        """The worker call a batch of this pool's requests goes through."""
         raise NotImplementedError
 
     def _run(self, fn, requests):
         with self._lock:
+            started = time.perf_counter()
             out = fn(requests)
+            seconds = time.perf_counter() - started
             self._last_forward = time.monotonic()
             self._batches += 1
             self._batched_calls += len(requests)
+            self._busy_s += seconds
+            for result in out:
+                result.compute_s = seconds
             return out
 
     async def release(self, request_id: str) -> bool:
@@ -92,7 +101,8 @@ class _Pool:
     async def stats(self) -> dict:
         with self._lock:
             stats = self.worker.cache_stats()
-        return {**stats, "batches": self._batches, "batched_calls": self._batched_calls, "pid": os.getpid(),
+        return {**stats, "batches": self._batches, "batched_calls": self._batched_calls,
+                "busy_s": round(self._busy_s, 3), "pid": os.getpid(),
                 "replica": serve.get_replica_context().replica_id.unique_id}
 
     async def vocabulary_signature(self) -> str:
@@ -124,15 +134,11 @@ class DraftPool(_Pool):
         self.proposer = DraftModelProposer(self.worker, top_m=speculation["draft_top_m"],
                                            min_confidence=speculation["draft_min_confidence"])
 
-    def _batch_method(self):
-        return self._propose_batch
-
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
-    async def _propose_batch(self, requests: list[ProposeRequest]) -> list[Proposal]:
-        return await asyncio.to_thread(self._run, self.proposer.propose, requests)
+    def _batch_fn(self):
+        return self.proposer.propose
 
     async def propose(self, request: ProposeRequest) -> Proposal:
-        return await self._propose_batch(request)
+        return await self.batcher.submit(request)
 
 
 @serve.deployment
@@ -143,15 +149,11 @@ class TargetPool(_Pool):
 
         self.verifier = Verifier(self.worker)
 
-    def _batch_method(self):
-        return self._verify_batch
-
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
-    async def _verify_batch(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        return await asyncio.to_thread(self._run, self.verifier.verify, requests)
+    def _batch_fn(self):
+        return self.verifier.verify
 
     async def verify(self, request: VerifyRequest) -> VerifyResult:
-        return await self._verify_batch(request)
+        return await self.batcher.submit(request)
 
     async def model_info(self) -> dict:
         return {"max_context": self.worker.config.max_position_embeddings,

@@ -104,6 +104,7 @@ class Router:
         self._info: dict | None = None
         self._info_lock = asyncio.Lock()
         self._draft_down_until = 0.0
+        self._background: set[asyncio.Task] = set()  # asyncio keeps only weak references to tasks
 
     # ---- pool plumbing -------------------------------------------------------------------
 
@@ -153,15 +154,20 @@ class Router:
 
         for pool in (self.target, self.draft):
             if pool is not None:
-                asyncio.get_running_loop().create_task(release(pool))
+                task = asyncio.get_running_loop().create_task(release(pool))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     async def _rounds(self, state: RequestState) -> AsyncIterator[list[int]]:
         try:
             while not state.finished:
+                started = time.perf_counter()
                 propose = state.propose_request()
                 proposal = await self._propose(propose) if propose.k > 0 else None
                 verify = state.verify_request(proposal)
                 result = await self._verify(verify)
+                compute = result.compute_s + (proposal.compute_s if proposal is not None else 0.0)
+                state.stats.round_trip_overhead_s += max(0.0, time.perf_counter() - started - compute)
                 emitted = state.commit(result, len(verify.draft))
                 state.finish_at_stop_string(self.codec.decode)
                 yield emitted
@@ -185,7 +191,7 @@ class Router:
             raise SpecserveError("the prompt contains token ids outside the vocabulary")
         return RequestState(
             uuid.uuid4().hex, prompt_ids, body.sampling_params(self.args.max_tokens_default), method, k,
-            frozenset(info["eos_token_ids"]), info["max_context"],
+            frozenset(info["eos_token_ids"]), info["max_context"], prefill_without_draft=True,
         )
 
     def _text(self, state: RequestState) -> str:

@@ -1,0 +1,65 @@
+"""The pools' continuous batcher: calls that arrive during a pass all join the next one."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from specserve.serve.batching import ContinuousBatcher
+
+
+def test_calls_arriving_during_a_pass_join_the_next_pass():
+    batches = []
+
+    def run(items):
+        batches.append(list(items))
+        time.sleep(0.05)
+        return [i * 10 for i in items]
+
+    async def scenario():
+        batcher = ContinuousBatcher(run, max_batch_size=8)
+        first = asyncio.create_task(batcher.submit(0))
+        await asyncio.sleep(0.01)  # the first pass is running now
+        rest = [asyncio.create_task(batcher.submit(i)) for i in range(1, 6)]
+        return await asyncio.gather(first, *rest)
+
+    assert asyncio.run(scenario()) == [0, 10, 20, 30, 40, 50]
+    assert batches == [[0], [1, 2, 3, 4, 5]]
+
+
+def test_max_batch_size_and_cancelled_calls():
+    batches = []
+    gate = threading.Event()
+
+    def run(items):
+        batches.append(list(items))
+        gate.wait(1)
+        return items
+
+    async def scenario():
+        batcher = ContinuousBatcher(run, max_batch_size=2)
+        tasks = [asyncio.create_task(batcher.submit(i)) for i in range(5)]
+        await asyncio.sleep(0.01)
+        tasks[3].cancel()  # a caller that went away is dropped, not run
+        gate.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(scenario())
+    assert results[:3] == [0, 1, 2] and results[4] == 4
+    assert batches == [[0, 1], [2], [4]]
+
+
+def test_a_failing_call_does_not_fail_its_batch_mates():
+    def run(items):
+        if "bad" in items:
+            raise ValueError("bad item")
+        return [i.upper() for i in items]
+
+    async def scenario():
+        batcher = ContinuousBatcher(run, max_batch_size=8, wait_s=0.01)
+        return await asyncio.gather(*[batcher.submit(i) for i in ("a", "bad", "c")], return_exceptions=True)
+
+    a, bad, c = asyncio.run(scenario())
+    assert (a, c) == ("A", "C")
+    assert isinstance(bad, ValueError)
