@@ -88,6 +88,7 @@ class RequestState:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"
     stop_text: str | None = None  # the output text cut before a matched stop sequence
+    released: bool = False  # serving: the pools were told to free this request's caches
     stats: SpecStats = field(default_factory=SpecStats)
     rng: random.Random = field(init=False)
 

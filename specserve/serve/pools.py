@@ -25,6 +25,7 @@ from specserve.serve.batching import ContinuousBatcher
 
 logger = logging.getLogger("ray.serve")
 PROBE_ID = "__specserve_health_probe__"
+RELEASE_MEMORY_S = 300.0  # how long a released request id is remembered
 
 
 def default_engine(pool_args: dict[str, Any]):
@@ -69,6 +70,9 @@ class _Pool:
         self._batches = 0
         self._batched_calls = 0
         self._busy_s = 0.0
+        # request id -> release time. A call still queued or in flight when its request was
+        # released must not leave a cache behind: batches drop these entries after running.
+        self._released: dict[str, float] = {}
         self.batcher = ContinuousBatcher(lambda requests: self._run(self._batch_fn(), requests),
                                          max_batch_size=pool_args["max_batch_size"],
                                          wait_s=pool_args["batch_wait_timeout_s"])
@@ -89,6 +93,9 @@ class _Pool:
             self._busy_s += seconds
             for result in out:
                 result.compute_s = seconds
+            for request in requests:
+                if request.request_id in self._released:
+                    self.worker.release(request.request_id)
             return out
 
     async def release(self, request_id: str) -> bool:
@@ -96,6 +103,9 @@ class _Pool:
 
     def _locked_release(self, request_id: str) -> bool:
         with self._lock:
+            now = time.monotonic()
+            self._released = {rid: t for rid, t in self._released.items() if now - t < RELEASE_MEMORY_S}
+            self._released[request_id] = now
             return self.worker.release(request_id)
 
     async def stats(self) -> dict:

@@ -73,6 +73,22 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
     return _error(exc.status_code, str(exc.detail), type_="invalid_request_error" if exc.status_code < 500 else "server_error")
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """Runs `on_close` when the response ends for any reason. Starlette does not close the body
+    iterator when the client goes away, so cleanup inside the generator would wait for garbage
+    collection; this runs synchronously, even inside a cancelled scope."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
 class TextStream:
     """Turns the growing output into text deltas that never end inside a multi-byte character
     and never show the beginning of a stop sequence that may still complete."""
@@ -145,7 +161,13 @@ class Router:
                 logger.warning("target replica lost (%s); retrying round, attempt %d", type(exc).__name__, attempt)
                 await asyncio.sleep(min(0.2 * attempt, 2.0))
 
-    def _release(self, request_id: str) -> None:
+    def _release(self, state: RequestState) -> None:
+        """Free the request's caches in both pools (once; later calls do nothing)."""
+        if state.released:
+            return
+        state.released = True
+        request_id = state.request_id
+
         async def release(pool):
             try:
                 await pool.release.remote(request_id)
@@ -172,7 +194,7 @@ class Router:
                 state.finish_at_stop_string(self.codec.decode)
                 yield emitted
         finally:
-            self._release(state.request_id)
+            self._release(state)
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -221,9 +243,13 @@ class Router:
         rid = new_id("chatcmpl" if chat else "cmpl")
         created = now()
         if body.stream:
-            return StreamingResponse(self._sse(body, state, chat, rid, created), media_type="text/event-stream")
-        async for _ in self._rounds(state):
-            pass
+            return ClosingStreamingResponse(self._sse(body, state, chat, rid, created),
+                                            on_close=lambda: self._release(state), media_type="text/event-stream")
+        try:
+            async for _ in self._rounds(state):
+                pass
+        finally:
+            self._release(state)
         text = self._text(state)
         choice = {"index": 0, "finish_reason": state.finish_reason, "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
