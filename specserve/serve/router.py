@@ -220,7 +220,13 @@ class Router:
         return state.stop_text if state.stop_text is not None else self.codec.decode(state.output_ids)
 
     @app.get("/healthz")
-    async def healthz(self) -> dict:
+    async def healthz(self):
+        """200 once the pools answer (their model is loaded), 503 while they start."""
+        if self._info is None:
+            try:
+                await asyncio.wait_for(self._model_info(), timeout=2.0)
+            except Exception as exc:  # not loaded yet, or refused (e.g. a vocabulary mismatch)
+                return _error(503, f"not ready: {type(exc).__name__}: {exc}", type_="server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")
