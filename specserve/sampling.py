@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.protocol import SamplingParams, SparseDist
+from specserve.protocol import SamplingParams, SparseDist, TokenTree
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -75,6 +75,34 @@ def accept_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> list[
     while n < len(draft_tokens) and draft_tokens[n] == argmax[n]:
         n += 1
     return list(draft_tokens[:n]) + [argmax[n]]
+
+
+def accept_greedy_tree(tree: TokenTree, target_logits: torch.Tensor) -> list[int]:
+    """Greedy verification of a token tree. target_logits: [1 + n, V]; row 0 follows the
+    root (the last committed token), row i + 1 follows node i.
+
+    Walks down from the root: while the target's argmax is a child of the current node, that
+    child is accepted; the first argmax with no matching child is the recovered token (or the
+    bonus token below an accepted leaf). A chain gives exactly `accept_greedy`.
+
+    >>> tree = TokenTree((5, 6, 7), (-1, -1, 1))  # root -> 5, root -> 6 -> 7
+    >>> logits = torch.nn.functional.one_hot(torch.tensor([6, 0, 7, 9]), 10).float()
+    >>> accept_greedy_tree(tree, logits)  # 6 and 7 accepted, then the target's 9
+    [6, 7, 9]
+    """
+    argmax = target_logits.argmax(-1).tolist()
+    children: dict[int, dict[int, int]] = {}
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        children.setdefault(parent, {}).setdefault(token, i)
+    out: list[int] = []
+    node = -1
+    while True:
+        token = argmax[node + 1]
+        out.append(token)
+        child = children.get(node, {}).get(token)
+        if child is None:
+            return out
+        node = child
 
 
 def accept_rejection(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specserve.engine.torch_worker import ForwardItem, TorchWorker
 from specserve.protocol import SpecserveError, VerifyRequest, VerifyResult
-from specserve.sampling import accept_greedy, accept_rejection, densify, generator_for, target_probs
+from specserve.sampling import accept_greedy_tree, accept_rejection, densify, generator_for, target_probs
 
 
 class Verifier:
@@ -17,12 +17,13 @@ class Verifier:
 
     def _accept(self, request: VerifyRequest, logits) -> VerifyResult:
         draft = request.draft
-        if not draft.is_chain:
-            raise SpecserveError("tree verification is not available in this engine yet")
         tokens = list(draft.tokens)
         if request.params.greedy:
-            out = accept_greedy(tokens, logits)
+            out = accept_greedy_tree(draft, logits)  # chains are one-branch trees
         else:
+            if not draft.is_chain:
+                raise SpecserveError("sampled verification of token trees is not available yet; "
+                                     "use temperature 0 or a chain draft")
             if tokens and (request.dists is None or request.dists.ids.shape[0] != len(tokens)):
                 raise SpecserveError(f"request {request.request_id}: sampled drafts need their distributions")
             p = target_probs(logits, request.params)

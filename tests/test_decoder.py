@@ -157,3 +157,28 @@ def test_generation_stops_at_the_context_length(qwen_pair):
     target, draft = qwen_pair
     [out] = make_decoder(target, draft).generate([[3] * 500], SamplingParams(max_tokens=100))
     assert len(out.token_ids) == 12 and out.finish_reason == "length"
+
+
+def test_greedy_tree_rounds_equal_the_target_alone(qwen_pair):
+    """Rounds with a 2x2 draft tree (the draft's top-2 tokens, each extended by its argmax),
+    verified in one target pass with tree attention: output equals the target alone, and the
+    compaction of non-chain accepted paths keeps both caches right across rounds."""
+    from specserve.engine.torch_worker import ForwardItem, TorchWorker
+    from specserve.protocol import TokenTree, VerifyRequest
+    from specserve.verifier import Verifier
+
+    target, draft = qwen_pair
+    draft_worker, verifier = TorchWorker(draft), Verifier(TorchWorker(target))
+    ids = list(PROMPTS[1])
+    accepted_second_branch = 0
+    while len(ids) - len(PROMPTS[1]) < 30:
+        [root] = draft_worker.forward([ForwardItem("r", ids)])
+        first = torch.topk(root[-1], 2).indices.tolist()
+        [rows] = draft_worker.forward([ForwardItem("r", ids, TokenTree(tuple(first), (-1, -1)))])
+        tree = TokenTree(tuple(first) + (int(rows[1].argmax()), int(rows[2].argmax())), (-1, -1, 0, 1))
+        [result] = verifier.verify([VerifyRequest("r", ids, SamplingParams(), 0, tree)])
+        accepted_second_branch += result.num_accepted > 0 and result.tokens[0] == first[1]
+        ids += result.tokens
+    out = ids[len(PROMPTS[1]):][:30]
+    assert out == hf_greedy(target, PROMPTS[1], 30)
+    assert accepted_second_branch > 0  # the non-chain path (compaction moves KV) was exercised

@@ -98,3 +98,28 @@ def test_same_seed_same_tokens():
     q = torch.softmax(torch.randn(4, 50), -1)
     runs = [accept_rejection([1, 2, 3, 4], q, p, generator_for(42)) for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_greedy_tree_acceptance_follows_the_target_argmax_down_the_tree():
+    from specserve.protocol import TokenTree
+    from specserve.sampling import accept_greedy_tree
+
+    tree = TokenTree((5, 6, 7, 8), (-1, -1, 1, 1))  # root -> 5 | root -> 6 -> {7, 8}
+    onehot = lambda ids: torch.nn.functional.one_hot(torch.tensor(ids), 10).float()  # noqa: E731
+    # rows: root, after 5, after 6, after 7, after 8
+    assert accept_greedy_tree(tree, onehot([6, 0, 8, 0, 3])) == [6, 8, 3]  # down to a leaf + bonus
+    assert accept_greedy_tree(tree, onehot([6, 0, 9, 0, 0])) == [6, 9]  # no child matches: recovered
+    assert accept_greedy_tree(tree, onehot([4, 0, 0, 0, 0])) == [4]  # nothing accepted
+    assert accept_greedy_tree(TokenTree(), onehot([2])) == [2]
+
+
+def test_greedy_tree_acceptance_on_a_chain_equals_chain_acceptance():
+    from specserve.protocol import TokenTree
+    from specserve.sampling import accept_greedy_tree
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        k = int(torch.randint(0, 5, (), generator=gen))
+        logits = torch.randn(k + 1, 4, generator=gen)
+        draft = torch.randint(0, 4, (k,), generator=gen).tolist()
+        assert accept_greedy_tree(TokenTree.chain(draft), logits) == accept_greedy(draft, logits)
