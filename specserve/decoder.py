@@ -127,12 +127,8 @@ class SpeculativeDecoder:
         for s in states:
             report.stats.merge(s.stats)
         self.last_report = report
-        return [
-            Generation(s.request_id, s.prompt_ids, s.output_ids,
-                       self._text(s),
-                       s.finish_reason, s.stats)
-            for s in states
-        ]
+        return [Generation(s.request_id, s.prompt_ids, s.output_ids, self._text(s), s.finish_reason, s.stats)
+                for s in states]
 
     def _text(self, state: RequestState) -> str | None:
         if state.stop_text is not None:

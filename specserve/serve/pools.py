@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from typing import Any, Callable
 
 from ray import serve
@@ -72,7 +73,7 @@ class _Pool:
         self._busy_s = 0.0
         # request id -> release time. A call still queued or in flight when its request was
         # released must not leave a cache behind: batches drop these entries after running.
-        self._released: dict[str, float] = {}
+        self._released: OrderedDict[str, float] = OrderedDict()
         self.batcher = ContinuousBatcher(lambda requests: self._run(self._batch_fn(), requests),
                                          max_batch_size=pool_args["max_batch_size"],
                                          wait_s=pool_args["batch_wait_timeout_s"])
@@ -104,8 +105,10 @@ class _Pool:
     def _locked_release(self, request_id: str) -> bool:
         with self._lock:
             now = time.monotonic()
-            self._released = {rid: t for rid, t in self._released.items() if now - t < RELEASE_MEMORY_S}
+            while self._released and now - next(iter(self._released.values())) > RELEASE_MEMORY_S:
+                self._released.popitem(last=False)  # oldest first
             self._released[request_id] = now
+            self._released.move_to_end(request_id)
             return self.worker.release(request_id)
 
     async def stats(self) -> dict:
