@@ -510,6 +510,12 @@ def _stderr_log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def is_hub_id(ref: str | os.PathLike) -> bool:
+    """``org/name`` that is neither a registry name nor an existing path."""
+    ref = os.fspath(ref)
+    return ref not in REGISTRY and bool(_HUB_ID_RE.match(ref)) and not os.path.exists(os.path.expanduser(ref))
+
+
 def resolve(ref: str | os.PathLike, *, pull_missing: bool = True, log: Log = _stderr_log) -> str:
     """Turn a model reference into something ``from_pretrained`` accepts.
 
@@ -530,7 +536,7 @@ def resolve(ref: str | os.PathLike, *, pull_missing: bool = True, log: Log = _st
     expanded = os.path.expanduser(ref)
     if ref and os.path.isdir(expanded):
         return expanded
-    if _HUB_ID_RE.match(ref) and not os.path.exists(expanded):
+    if is_hub_id(ref):
         return ref
     raise UnknownModelError(
         f"unknown model {ref!r}: not a registry name, an existing directory or a Hub id (org/name); "

@@ -19,17 +19,10 @@ from specserve.serve.config import AppArgs, PoolArgs
 logger = logging.getLogger("ray.serve")
 
 
-def _is_hub_id(ref: str) -> bool:
-    from pathlib import Path
-
-    from specserve import models
-
-    return ref not in models.REGISTRY and not Path(ref).expanduser().exists()
-
-
 def check_vocabularies(args: AppArgs) -> None:
     """Compare the draft's tokenizer with the target's when the app is built. Registry models
     must be pulled already (a server should not start a multi-GB download on its own)."""
+    from specserve.models import is_hub_id
     from specserve.text import TextCodec, check_same_vocabulary
 
     if args.draft is None or not args.check_vocabulary_at_build:
@@ -40,7 +33,7 @@ def check_vocabularies(args: AppArgs) -> None:
     except SpecserveError:
         raise
     except Exception as exc:
-        if _is_hub_id(args.target.model) or _is_hub_id(args.draft.model):
+        if is_hub_id(args.target.model) or is_hub_id(args.draft.model):
             logger.warning("could not fetch tokenizers to compare them now (%s); the pools compare them at start-up", exc)
             return
         raise SpecserveError(str(exc)) from None

@@ -5,7 +5,7 @@ Torch-free: the Serve controller and `serve run` validate these without loading 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -17,7 +17,25 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class PoolArgs(_Strict):
+class _DeploymentArgs(_Strict):
+    """Ray Serve deployment options shared by pools and the router, passed through."""
+
+    ALWAYS: ClassVar[tuple[str, ...]] = ("ray_actor_options", "max_ongoing_requests", "max_queued_requests")
+    IF_SET: ClassVar[tuple[str, ...]] = ("num_replicas", "autoscaling_config")
+
+    @model_validator(mode="after")
+    def _replicas_or_autoscaling(self):
+        if getattr(self, "num_replicas", None) not in (None, "auto") and getattr(self, "autoscaling_config", None):
+            raise ValueError("give num_replicas or autoscaling_config, not both")
+        return self
+
+    def deployment_options(self) -> dict[str, Any]:
+        options = {name: getattr(self, name) for name in self.ALWAYS}
+        options.update({name: getattr(self, name) for name in self.IF_SET if getattr(self, name) is not None})
+        return options
+
+
+class PoolArgs(_DeploymentArgs):
     """One model pool: a Ray Serve deployment whose replicas each hold the model."""
 
     model: str = Field(description="registry name, local directory or Hub id")
@@ -42,24 +60,8 @@ class PoolArgs(_Strict):
     health_check_period_s: float = Field(10, gt=0)
     health_check_timeout_s: float = Field(60, gt=0)
 
-    @model_validator(mode="after")
-    def _replicas_or_autoscaling(self) -> PoolArgs:
-        if self.num_replicas not in (None, "auto") and self.autoscaling_config:
-            raise ValueError("give num_replicas or autoscaling_config, not both")
-        return self
-
-    def deployment_options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {
-            "ray_actor_options": self.ray_actor_options,
-            "max_ongoing_requests": self.max_ongoing_requests,
-            "max_queued_requests": self.max_queued_requests,
-            "health_check_period_s": self.health_check_period_s,
-            "health_check_timeout_s": self.health_check_timeout_s,
-        }
-        for name in ("num_replicas", "autoscaling_config", "placement_group_bundles", "placement_group_strategy"):
-            if getattr(self, name) is not None:
-                options[name] = getattr(self, name)
-        return options
+    ALWAYS: ClassVar[tuple[str, ...]] = _DeploymentArgs.ALWAYS + ("health_check_period_s", "health_check_timeout_s")
+    IF_SET: ClassVar[tuple[str, ...]] = _DeploymentArgs.IF_SET + ("placement_group_bundles", "placement_group_strategy")
 
 
 class SpeculationArgs(_Strict):
@@ -75,7 +77,7 @@ class SpeculationArgs(_Strict):
     draft_retry_after_s: float = Field(2.0, ge=0)
 
 
-class RouterArgs(_Strict):
+class RouterArgs(_DeploymentArgs):
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
     num_replicas: int | Literal["auto"] | None = None
     autoscaling_config: dict[str, Any] | None = None
@@ -84,17 +86,6 @@ class RouterArgs(_Strict):
     max_queued_requests: int = Field(64, ge=-1)
     # A target call that fails because its replica died is retried on another replica.
     target_retry_timeout_s: float = Field(120.0, gt=0)
-
-    def deployment_options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {
-            "ray_actor_options": self.ray_actor_options,
-            "max_ongoing_requests": self.max_ongoing_requests,
-            "max_queued_requests": self.max_queued_requests,
-        }
-        for name in ("num_replicas", "autoscaling_config"):
-            if getattr(self, name) is not None:
-                options[name] = getattr(self, name)
-        return options
 
 
 class AppArgs(_Strict):
