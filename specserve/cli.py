@@ -131,6 +131,22 @@ def add_generate_parser(subparsers) -> None:
     p.set_defaults(func=_cmd_generate)
 
 
+# --------------------------------------------------------------------------- bench
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .benchmarks.suite import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def add_bench_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", add_help=False, prefix_chars="\0",
+                              help="benchmark specserve against its peers (specserve bench --help)")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_bench)
+
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -141,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_models_parser(subparsers)
     add_generate_parser(subparsers)
+    add_bench_parser(subparsers)
     return parser
 
 
