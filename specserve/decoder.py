@@ -17,8 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from specserve.proposers import Proposer
-from specserve.protocol import SamplingParams, SpecserveError
-from specserve.request_state import RequestState, SpecStats, validate_speculation
+from specserve.protocol import SamplingParams, SpecserveError, TreeSpec
+from specserve.request_state import DRAFT_METHODS, RequestState, SpecStats, validate_speculation
 from specserve.verifier import Verifier
 
 
@@ -54,24 +54,25 @@ class SpeculativeDecoder:
         eos_token_ids=(),
         method: str = "draft",
         k: int = 4,
+        tree: TreeSpec | None = None,
         max_context: int | None = None,
     ):
         validate_speculation(method, k)
-        if method == "draft" and proposer is None:
-            raise SpecserveError("method 'draft' needs a draft model")
         self.verifier = verifier
         self.proposer = proposer
+        self._check_proposer(method)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.method = method
         self.k = k
+        self.tree = tree or TreeSpec()
         self.max_context = max_context
         self.last_report = BatchReport()
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, *, dtype: str = "bfloat16",
-                        device: str = "cpu", method: str | None = None, k: int = 4, draft_top_m: int = 256,
-                        draft_min_confidence: float = 0.5) -> SpeculativeDecoder:
+                        device: str = "cpu", method: str | None = None, k: int = 4, tree: TreeSpec | None = None,
+                        draft_top_m: int = 256, draft_min_confidence: float = 0.5) -> SpeculativeDecoder:
         """Load a target (and draft) by registry name, local directory or Hub id."""
         from specserve.loading import load_pair
 
@@ -83,8 +84,13 @@ class SpeculativeDecoder:
             eos_token_ids=pair.eos_token_ids,
             method=method or ("draft" if draft else "none"),
             k=k,
+            tree=tree,
             max_context=pair.max_context,
         )
+
+    def _check_proposer(self, method: str) -> None:
+        if method in DRAFT_METHODS and self.proposer is None:
+            raise SpecserveError(f"method {method!r} needs a draft model")
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -97,18 +103,18 @@ class SpeculativeDecoder:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] = SamplingParams(), *,
-                 method: str | None = None, k: int | None = None) -> list[Generation]:
-        """Generate for a batch of prompts (strings or token id lists) together."""
+                 method: str | None = None, k: int | None = None, tree: TreeSpec | None = None) -> list[Generation]:
+        """Generate for a batch of prompts (strings or token id lists) together. `method`, `k`
+        and `tree` override the decoder's defaults for this call."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise SpecserveError("give one SamplingParams per prompt, or one for all")
         method = method or self.method
-        if method == "draft" and self.proposer is None:
-            raise SpecserveError("method 'draft' needs a draft model")
+        self._check_proposer(method)
         states = [
-            RequestState(uuid.uuid4().hex, self._encode(prompt), p, method,
-                         self.k if k is None else k, self.eos_token_ids, self.max_context)
+            RequestState(uuid.uuid4().hex, self._encode(prompt), p, method, self.k if k is None else k,
+                         self.eos_token_ids, self.max_context, tree=tree or self.tree)
             for prompt, p in zip(prompts, params)
         ]
         start = time.perf_counter()
@@ -141,4 +147,4 @@ class SpeculativeDecoder:
         proposals = {p.request_id: p for p in self.proposer.propose(drafting)} if drafting else {}
         verify = [s.verify_request(proposals.get(s.request_id)) for s in live]
         for s, v, result in zip(live, verify, self.verifier.verify(verify)):
-            s.commit(result, len(v.draft))
+            s.commit(result, v.draft)

@@ -7,11 +7,12 @@ full token ids), so worker caches are caches, never the source of truth.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 MAX_K = 64  # longest draft chain / deepest tree accepted anywhere
+MAX_TREE_NODES = 256  # largest draft tree accepted anywhere
 
 
 class SpecserveError(ValueError):
@@ -89,6 +90,44 @@ class TokenTree:
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
+    def children(self) -> dict[int, list[int]]:
+        """Node -> its children in order (-1 is the root). Siblings are in rank order: the
+        proposer lists a node's children from most to least preferred."""
+        out: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents):
+            out.setdefault(p, []).append(i)
+        return out
+
+    def path_of(self, continuation) -> list[int]:
+        """Indices of the nodes that spell out a prefix of `continuation`, root downwards.
+
+        >>> TokenTree((5, 6, 7), (-1, 0, -1)).path_of([7, 1])
+        [2]
+        """
+        children = self.children()
+        path: list[int] = []
+        parent = -1
+        for token in continuation:
+            child = next((c for c in children.get(parent, ()) if self.tokens[c] == token), None)
+            if child is None:
+                break
+            path.append(child)
+            parent = child
+        return path
+
+    def ranks(self) -> list[int]:
+        """Each node's position among its siblings (0 = its parent's first child)."""
+        ranks = [0] * len(self.tokens)
+        for siblings in self.children().values():
+            for rank, node in enumerate(siblings):
+                ranks[node] = rank
+        return ranks
+
+    def extends(self, prefix: TokenTree) -> bool:
+        """Whether this tree is `prefix` with more nodes appended."""
+        n = len(prefix)
+        return self.tokens[:n] == prefix.tokens and self.parents[:n] == prefix.parents
+
     def ancestor_mask(self) -> np.ndarray:
         """[n, n] bool: mask[i, j] is True when node j is node i or one of its ancestors."""
         n = len(self.tokens)
@@ -98,6 +137,75 @@ class TokenTree:
                 mask[i] = mask[p]
             mask[i, i] = True
         return mask
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """How a draft model grows its token tree each round (method `tree`).
+
+    Dynamic (no `shape`): level by level, like EAGLE-2's expansion. A node's score is the
+    draft's probability of its whole path. At each level the `width` best new children of the
+    current frontier (by score) join the tree and become the next frontier, skipping children
+    whose score is below `min_score`, until `depth` levels or `budget` nodes. The tree is deep
+    and thin where the draft is sure and bushy where it hesitates.
+
+    Static (`shape` given): the same tree every round, as a list of paths of child ranks, like
+    Medusa's `medusa_choices`: (0,) is the draft's first choice after the root, (0, 1) its
+    second choice after that, (1,) its second choice at the root. Every prefix of a path must
+    be listed, and a node's ranks must be 0..n-1. `budget` and `depth` follow from the shape.
+
+    Sampled requests draw a node's children without replacement from the draft's distribution
+    (the shape decides only how many), which lossless multi-draft verification needs.
+    """
+
+    budget: int = 16
+    depth: int = 8
+    width: int = 4
+    min_score: float = 0.05
+    shape: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shape is not None:
+            shape = tuple(sorted({tuple(int(r) for r in path) for path in self.shape}, key=lambda p: (len(p), p)))
+            check_shape(shape)
+            object.__setattr__(self, "shape", shape)
+            object.__setattr__(self, "budget", len(shape))
+            object.__setattr__(self, "depth", max(len(p) for p in shape))
+        if not 1 <= self.budget <= MAX_TREE_NODES:
+            raise SpecserveError(f"tree budget must be in [1, {MAX_TREE_NODES}] nodes, got {self.budget}")
+        if not 1 <= self.depth <= MAX_K:
+            raise SpecserveError(f"tree depth must be in [1, {MAX_K}], got {self.depth}")
+        if not 1 <= self.width <= MAX_TREE_NODES:
+            raise SpecserveError(f"tree width must be in [1, {MAX_TREE_NODES}], got {self.width}")
+        if not 0 <= self.min_score < 1:
+            raise SpecserveError(f"tree min_score must be in [0, 1), got {self.min_score}")
+
+    def capped(self, depth: int) -> TreeSpec:
+        """This spec limited to `depth` levels (a request near max_tokens drafts less)."""
+        if depth >= self.depth:
+            return self
+        if self.shape is None:
+            return replace(self, depth=depth, budget=min(self.budget, self.width * depth))
+        return replace(self, shape=tuple(p for p in self.shape if len(p) <= depth))
+
+
+def check_shape(paths: tuple[tuple[int, ...], ...]) -> None:
+    """A static tree shape: non-empty, prefix-closed, ranks 0..n-1 under every node."""
+    if not paths:
+        raise SpecserveError("a static tree shape needs at least one path")
+    if len(paths) > MAX_TREE_NODES:
+        raise SpecserveError(f"a static tree shape may have at most {MAX_TREE_NODES} nodes, got {len(paths)}")
+    known = set(paths)
+    for path in paths:
+        if not path or any(r < 0 for r in path):
+            raise SpecserveError(f"tree shape path {list(path)}: give non-empty lists of ranks >= 0")
+        if len(path) > MAX_K:
+            raise SpecserveError(f"tree shape path {list(path)} is deeper than {MAX_K}")
+        if len(path) > 1 and path[:-1] not in known:
+            raise SpecserveError(f"tree shape path {list(path)} needs its parent {list(path[:-1])} in the shape")
+        if path[-1] > 0 and path[:-1] + (path[-1] - 1,) not in known:
+            raise SpecserveError(f"tree shape path {list(path)} needs its elder sibling "
+                                 f"{list(path[:-1] + (path[-1] - 1,))} in the shape")
 
 
 @dataclass
@@ -117,16 +225,19 @@ class SparseDist:
 class ProposeRequest:
     request_id: str
     token_ids: list[int]  # committed ids: prompt + generated so far
-    k: int
+    k: int  # chain length, or the deepest level of a tree
     params: SamplingParams
     seed: int  # randomness of this round's draft sampling
+    tree: TreeSpec | None = None  # None: a chain of k tokens
 
 
 @dataclass
 class Proposal:
     request_id: str
-    tokens: list[int]
-    dists: SparseDist | None = None  # None for greedy requests
+    tree: TokenTree = field(default_factory=lambda: TokenTree())  # a chain is the one-branch tree
+    # Sampled requests: row i is the distribution node i was drawn from (its parent's, before
+    # drawing without replacement). None for greedy requests.
+    dists: SparseDist | None = None
     compute_s: float = 0.0  # the pool's time in the batch that produced it
 
 

@@ -12,10 +12,13 @@ import secrets
 from dataclasses import dataclass, field
 
 from specserve.protocol import (
-    MAX_K, Proposal, ProposeRequest, SamplingParams, SpecserveError, TokenTree, VerifyRequest, VerifyResult,
+    MAX_K, Proposal, ProposeRequest, SamplingParams, SpecserveError, TokenTree, TreeSpec, VerifyRequest,
+    VerifyResult,
 )
+from specserve.trees import count_ranks
 
-METHODS = ("none", "draft")
+METHODS = ("none", "draft", "tree")
+DRAFT_METHODS = ("draft", "tree")  # the methods that need a draft model
 
 
 @dataclass
@@ -27,6 +30,11 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # Per sibling rank (0 = a node's first child): drafts accepted, and drafts whose parent
+    # was accepted. Their ratio is the per-rank acceptance that sizes static trees
+    # (specserve.trees.shape_from_acceptance).
+    num_accepted_tokens_per_rank: list[int] = field(default_factory=list)
+    num_reached_tokens_per_rank: list[int] = field(default_factory=list)
     generated_tokens: int = 0
     # Serving only: wall time of pool calls minus the pools' compute time (transport, queueing).
     round_trip_overhead_s: float = 0.0
@@ -47,10 +55,10 @@ class SpecStats:
         self.num_accepted_tokens += other.num_accepted_tokens
         self.generated_tokens += other.generated_tokens
         self.round_trip_overhead_s += other.round_trip_overhead_s
-        for pos, n in enumerate(other.num_accepted_tokens_per_pos):
-            if pos == len(self.num_accepted_tokens_per_pos):
-                self.num_accepted_tokens_per_pos.append(0)
-            self.num_accepted_tokens_per_pos[pos] += n
+        for mine, theirs in ((self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos),
+                             (self.num_accepted_tokens_per_rank, other.num_accepted_tokens_per_rank),
+                             (self.num_reached_tokens_per_rank, other.num_reached_tokens_per_rank)):
+            add_counts(mine, theirs)
 
     def as_dict(self) -> dict:
         return {
@@ -59,11 +67,21 @@ class SpecStats:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+            "num_accepted_tokens_per_rank": list(self.num_accepted_tokens_per_rank),
+            "num_reached_tokens_per_rank": list(self.num_reached_tokens_per_rank),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "round_trip_overhead_ms_per_round": round(
                 1000 * self.round_trip_overhead_s / self.target_steps if self.target_steps else 0.0, 3),
         }
+
+
+def add_counts(into: list[int], counts) -> None:
+    """into += counts, elementwise, growing `into` as needed."""
+    for i, n in enumerate(counts):
+        if i == len(into):
+            into.append(0)
+        into[i] += n
 
 
 def validate_speculation(method: str, k: int) -> None:
@@ -82,6 +100,7 @@ class RequestState:
     k: int = 4
     eos_token_ids: frozenset[int] = frozenset()
     max_context: int | None = None  # the models' context length: generation stops there
+    tree: TreeSpec | None = None  # method "tree": how the draft grows its tree (default TreeSpec())
     # Serving: the first round drafts nothing, so the first token costs one target prefill
     # (time to first token); the draft catches up on the prompt in round two.
     prefill_without_draft: bool = False
@@ -96,6 +115,8 @@ class RequestState:
         if not self.prompt_ids:
             raise SpecserveError("the prompt is empty: give at least one token")
         validate_speculation(self.method, self.k)
+        if self.method == "tree" and self.tree is None:
+            self.tree = TreeSpec()
         if self.max_context is not None and len(self.prompt_ids) >= self.max_context:
             raise SpecserveError(
                 f"the prompt has {len(self.prompt_ids)} tokens; the model's context is "
@@ -120,36 +141,37 @@ class RequestState:
         return room
 
     def round_k(self) -> int:
-        """Draft length this round: never draft tokens that could not be emitted (the round's
-        recovered/bonus token takes one of the remaining places)."""
+        """Draft length (a tree: depth) this round: never draft tokens that could not be
+        emitted (the round's recovered/bonus token takes one of the remaining places)."""
         if self.method == "none" or (self.prefill_without_draft and not self.output_ids):
             return 0
-        return max(0, min(self.k, self.room() - 1))
+        depth = self.tree.depth if self.method == "tree" else self.k
+        return max(0, min(depth, self.room() - 1))
 
     def propose_request(self) -> ProposeRequest:
-        return ProposeRequest(self.request_id, self.token_ids, self.round_k(), self.params, self.rng.getrandbits(63))
+        return ProposeRequest(self.request_id, self.token_ids, self.round_k(), self.params, self.rng.getrandbits(63),
+                              self.tree if self.method == "tree" else None)
 
     def verify_request(self, proposal: Proposal | None) -> VerifyRequest:
         seed = self.rng.getrandbits(63)
-        if proposal is None or not proposal.tokens:
+        if proposal is None or not len(proposal.tree):
             return VerifyRequest(self.request_id, self.token_ids, self.params, seed)
-        return VerifyRequest(
-            self.request_id, self.token_ids, self.params, seed, TokenTree.chain(proposal.tokens), proposal.dists
-        )
+        return VerifyRequest(self.request_id, self.token_ids, self.params, seed, proposal.tree, proposal.dists)
 
-    def commit(self, result: VerifyResult, num_drafted: int) -> list[int]:
+    def commit(self, result: VerifyResult, draft: TokenTree) -> list[int]:
         """Append a round's verified tokens, cut at EOS / stop ids / max_tokens. Returns the
-        tokens actually emitted."""
+        tokens actually emitted. `draft` is the tree the round verified."""
         s = self.stats
         s.target_steps += 1
-        if num_drafted:
+        if len(draft):
             s.num_drafts += 1
-            s.num_draft_tokens += num_drafted
+            s.num_draft_tokens += len(draft)
             s.num_accepted_tokens += result.num_accepted
-            while len(s.num_accepted_tokens_per_pos) < num_drafted:
-                s.num_accepted_tokens_per_pos.append(0)
-            for pos in range(result.num_accepted):
-                s.num_accepted_tokens_per_pos[pos] += 1
+            depth = max(draft.depths)  # positions count by depth: a tree has many nodes per position
+            add_counts(s.num_accepted_tokens_per_pos, [1] * result.num_accepted + [0] * (depth - result.num_accepted))
+            accepted, reached = count_ranks(draft, draft.path_of(result.tokens[: result.num_accepted]))
+            add_counts(s.num_accepted_tokens_per_rank, accepted)
+            add_counts(s.num_reached_tokens_per_rank, reached)
         emitted: list[int] = []
         for token in result.tokens:
             if self.room() <= 0:

@@ -91,18 +91,71 @@ def accept_greedy_tree(tree: TokenTree, target_logits: torch.Tensor) -> list[int
     [6, 7, 9]
     """
     argmax = target_logits.argmax(-1).tolist()
-    children: dict[int, dict[int, int]] = {}
-    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
-        children.setdefault(parent, {}).setdefault(token, i)
+    children = tree.children()
     out: list[int] = []
     node = -1
     while True:
         token = argmax[node + 1]
         out.append(token)
-        child = children.get(node, {}).get(token)
+        child = next((c for c in children.get(node, ()) if tree.tokens[c] == token), None)
         if child is None:
             return out
         node = child
+
+
+def accept_rejection_tree(
+    tree: TokenTree,
+    draft_probs: torch.Tensor,
+    target_probs_: torch.Tensor,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """Lossless multi-draft speculative sampling of a token tree (recursive rejection sampling,
+    SpecInfer / Jeon et al. 2024).
+
+    draft_probs: [n, V], row i the distribution node i was drawn from: its parent's draft
+    distribution q. A node's children must have been drawn from q *without replacement*, in
+    sibling order. target_probs_: [1 + n, V], the target's processed distribution after the
+    root (row 0) and after each node (row i + 1).
+
+    At the current node with target distribution p and children x_1..x_m: accept x_j with
+    probability min(1, p(x_j) / q_j(x_j)) and descend into it; on rejection, p becomes the
+    residual norm(max(0, p - q_j)) and q_{j+1} is q_j without x_j, renormalised (the law of the
+    next sibling given the ones before). When every child is rejected, a recovered token is
+    drawn from the last residual; below an accepted leaf, a bonus token is drawn from p.
+    Each step is an exact speculative-sampling step against the current residual, so every
+    emitted token follows the target's distribution. A chain is ordinary speculative sampling.
+    """
+    children = tree.children()
+    out: list[int] = []
+    node = -1
+    while True:
+        p = target_probs_[node + 1]
+        kids = children.get(node, [])
+        q = draft_probs[kids[0]].clone() if kids else None
+        accepted = None
+        for child in kids:
+            x = tree.tokens[child]
+            if torch.rand((), generator=generator) * q[x] < p[x]:  # u < p(x)/q(x); q(x) > 0 as x ~ q
+                accepted = child
+                break
+            p = _residual(p, q)
+            q[x] = 0
+            if q.sum() <= 0:  # the draft had no tokens left, so no later sibling can exist
+                break
+            q = q / q.sum()
+        if accepted is None:  # bonus below a leaf, or recovered after every child was rejected
+            out.append(sample(p, generator))
+            return out
+        out.append(tree.tokens[accepted])
+        node = accepted
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)). It has mass TV(p, q) > 0 whenever a rejection is possible; p is
+    kept only against float underflow."""
+    residual = (p - q).clamp_(min=0)
+    total = residual.sum()
+    return residual / total if total > 0 else p
 
 
 def accept_rejection(
@@ -111,7 +164,7 @@ def accept_rejection(
     target_probs_: torch.Tensor,
     generator: torch.Generator | None,
 ) -> list[int]:
-    """Lossless speculative sampling of a chain.
+    """Lossless speculative sampling of a chain: `accept_rejection_tree` on the one-branch tree.
 
     draft_probs: [k, V], the distributions the draft tokens were drawn from.
     target_probs_: [k+1, V], the target's (processed) distributions at each draft position and
@@ -119,21 +172,7 @@ def accept_rejection(
     a recovered token from norm(max(0, p - q)) and stop; if all are accepted emit a bonus
     token from p at position k.
     """
-    out: list[int] = []
-    for i, x in enumerate(draft_tokens):
-        p, q = target_probs_[i], draft_probs[i]
-        u = torch.rand((), generator=generator)
-        if u * q[x] < p[x]:  # u < p(x)/q(x) without dividing; q(x) > 0 since x ~ q
-            out.append(int(x))
-            continue
-        residual = (p - q).clamp_(min=0)
-        total = residual.sum()
-        # The residual has mass TV(p, q) > 0 whenever a rejection is possible; fall back to p
-        # only against float underflow.
-        out.append(sample(residual / total if total > 0 else p, generator))
-        return out
-    out.append(sample(target_probs_[len(draft_tokens)], generator))
-    return out
+    return accept_rejection_tree(TokenTree.chain(draft_tokens), draft_probs, target_probs_, generator)
 
 
 def generator_for(seed: int) -> torch.Generator:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from specserve.engine.torch_worker import ForwardItem, TorchWorker, accepted_path
+from specserve.engine.torch_worker import ForwardItem, TorchWorker
 from specserve.protocol import SpecserveError, TokenTree
 
 ATOL = 1e-5
@@ -99,7 +99,7 @@ def test_tree_compaction_keeps_only_the_accepted_path(model):
     prompt = [1, 2, 3]
     worker.forward([ForwardItem("r", prompt, tree)])
     accepted = prompt + [12, 16, 30]  # nodes 1 and 5 accepted, 30 from the target
-    assert accepted_path(tree, accepted[3:]) == [1, 5]
+    assert tree.path_of(accepted[3:]) == [1, 5]
     [logits] = worker.forward([ForwardItem("r", accepted)])
     assert worker.forward_passes == 2
     assert torch.allclose(worker.cached_kv("r"), fresh_kv(model, accepted), atol=ATOL)
@@ -146,3 +146,41 @@ def test_unsupported_architecture_is_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(SpecserveError, match="not 'gpt2'"):
         TorchWorker(gpt2)
+
+
+def test_growing_a_tree_level_by_level_computes_only_the_new_nodes(model):
+    """A draft extends the tree of its previous call: the cached nodes keep their keys and
+    values, the new ones see only their own ancestors, and the rows equal a one-shot pass."""
+    full = TokenTree((11, 12, 13, 14, 15, 16, 17), (-1, -1, 0, 0, 1, 2, 4))
+    prefix = [5, 9, 2, 7, 1]
+    [expected] = TorchWorker(model).forward([ForwardItem("r", prefix, full)])
+    worker = TorchWorker(model)
+    [root] = worker.forward([ForwardItem("r", prefix)])
+    assert torch.allclose(root[0], expected[0], atol=ATOL)
+    for start, end in ((0, 2), (2, 5), (5, 7)):
+        level = TokenTree(full.tokens[:end], full.parents[:end])
+        before = worker.forward_passes
+        [rows] = worker.forward([ForwardItem("r", prefix, level, logits_from=start)])
+        assert rows.shape[0] == end - start
+        assert torch.allclose(rows, expected[1 + start : 1 + end], atol=ATOL), (start, end)
+        assert worker.forward_passes == before + 1
+    # the next round compacts the accepted path (12 -> 15 -> 17) as usual
+    accepted = prefix + [12, 15, 17, 40]
+    [logits] = worker.forward([ForwardItem("r", accepted)])
+    assert torch.allclose(worker.cached_kv("r"), fresh_kv(model, accepted), atol=ATOL)
+    assert torch.allclose(logits[0], reference_logits(model, accepted)[-1], atol=ATOL)
+
+
+def test_tree_extension_falls_back_to_recompute_when_the_cache_does_not_match(model):
+    tree = TREES["2x2"]
+    prefix = [3, 1, 4]
+    [expected] = TorchWorker(model).forward([ForwardItem("r", prefix, tree)])
+    worker = TorchWorker(model)
+    worker.forward([ForwardItem("r", prefix, TokenTree((50,), (-1,)))])  # a different first node
+    [rows] = worker.forward([ForwardItem("r", prefix, tree, logits_from=2)])
+    assert torch.allclose(rows, expected[3:], atol=ATOL)
+    fresh = TorchWorker(model)  # nothing cached at all
+    [rows] = fresh.forward([ForwardItem("r", prefix, tree, logits_from=4)])
+    assert torch.allclose(rows, expected[5:], atol=ATOL)
+    with pytest.raises(SpecserveError, match="logits_from"):
+        fresh.forward([ForwardItem("r", prefix, tree, logits_from=6)])

@@ -34,11 +34,17 @@ class ForwardItem:
     The worker returns logits for the last token of `token_ids` followed by one row per tree
     node: [1 + len(tree), V]. Row 0 predicts the first draft position; row i+1 is the
     target's distribution after node i.
+
+    With `logits_from = n` it returns only the rows after nodes n.. ([len(tree) - n, V]), and
+    when the tree extends the one of the request's previous call (same token_ids), the nodes
+    already computed keep their keys and values: a draft grows its tree level by level and
+    pays only for the new nodes.
     """
 
     request_id: str
     token_ids: list[int]
     tree: TokenTree = EMPTY_TREE
+    logits_from: int | None = None
 
 
 @dataclass
@@ -56,11 +62,14 @@ class _Plan:
     """What one item feeds this step: the uncached tail of its sequence, then its tree."""
 
     entry: _CacheEntry
-    start: int  # first slot written (= cached prefix length)
+    start: int  # first slot written: every cached slot before it is visible ...
     input_ids: list[int]
     positions: list[int]
     local_mask: np.ndarray  # [t, t] bool, visibility among this step's new tokens
-    first_logit_row: int  # row of the sequence's last token among the new tokens
+    first_logit_row: int  # first row returned, among the new tokens
+    # ... except the cached nodes of a tree being extended, in slots [start - r, start):
+    # [t, r] bool, which of them each new token sees (its ancestors)
+    cached_tree_mask: np.ndarray | None = None
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -69,26 +78,6 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def accepted_path(tree: TokenTree, continuation: list[int]) -> list[int]:
-    """Indices of the tree nodes that spell out a prefix of `continuation`, root downwards.
-
-    >>> accepted_path(TokenTree((5, 6, 7), (-1, 0, -1)), [7, 1])
-    [2]
-    """
-    path: list[int] = []
-    parent = -1
-    for token in continuation:
-        child = next(
-            (i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)) if p == parent and t == token),
-            None,
-        )
-        if child is None:
-            break
-        path.append(child)
-        parent = child
-    return path
 
 
 def new_token_mask(num_chain: int, tree: TokenTree) -> np.ndarray:
@@ -177,7 +166,7 @@ class TorchWorker:
         base = len(entry.tokens)
         if token_ids[:base] != entry.tokens:
             return
-        path = accepted_path(tree, token_ids[base:])
+        path = tree.path_of(token_ids[base:])
         if path != list(range(len(path))):
             src = torch.tensor([base + i for i in path], device=self.device)
             entry.kv[:, :, :, base:base + len(path)] = entry.kv.index_select(3, src)
@@ -186,15 +175,22 @@ class TorchWorker:
     def _plan(self, item: ForwardItem) -> _Plan:
         if not item.token_ids:
             raise SpecserveError(f"request {item.request_id}: no tokens to run")
+        if item.logits_from is not None and not 0 <= item.logits_from < len(item.tree):
+            raise SpecserveError(f"request {item.request_id}: logits_from must name a node of the tree")
         entry = self._cache.get(item.request_id)
         if entry is None:
             entry = self._cache[item.request_id] = _CacheEntry(self._new_kv(0))
         self._cache.move_to_end(item.request_id)
         entry.last_used = time.monotonic()
-        if entry.pending is not None:
+        pending = entry.pending
+        if (pending is not None and item.logits_from is not None and len(pending) <= item.logits_from
+                and entry.tokens == item.token_ids and item.tree.extends(pending)):
+            return self._plan_extension(item, entry, len(pending))
+        if pending is not None:
             self._compact(entry, item.token_ids)
-        # The sequence's last token is always fed: its logits are needed.
-        start = min(common_prefix_len(entry.tokens, item.token_ids), len(item.token_ids) - 1)
+        # The sequence's last token is fed again when its logits are wanted.
+        need_last = item.logits_from is None
+        start = min(common_prefix_len(entry.tokens, item.token_ids), len(item.token_ids) - need_last)
         entry.tokens = entry.tokens[:start]
         chain = item.token_ids[start:]
         last_pos = len(item.token_ids) - 1
@@ -205,7 +201,22 @@ class TorchWorker:
             input_ids=chain + list(item.tree.tokens),
             positions=positions,
             local_mask=new_token_mask(len(chain), item.tree),
-            first_logit_row=len(chain) - 1,
+            first_logit_row=len(chain) - 1 if need_last else len(chain) + item.logits_from,
+        )
+
+    def _plan_extension(self, item: ForwardItem, entry: _CacheEntry, cached: int) -> _Plan:
+        """Feed only the nodes after the first `cached`, which sit in the slots after the
+        sequence since the previous call."""
+        last_pos = len(item.token_ids) - 1
+        ancestors = item.tree.ancestor_mask()[cached:]
+        return _Plan(
+            entry=entry,
+            start=len(item.token_ids) + cached,
+            input_ids=list(item.tree.tokens[cached:]),
+            positions=[last_pos + d for d in item.tree.depths[cached:]],
+            local_mask=ancestors[:, cached:],
+            first_logit_row=item.logits_from - cached,
+            cached_tree_mask=ancestors[:, :cached],
         )
 
     def release(self, request_id: str) -> bool:
@@ -241,7 +252,8 @@ class TorchWorker:
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         """Run every item's new tokens in one batched pass; returns logits [1 + len(tree), V]
-        per item (float32 on the CPU, truncated to the usable vocabulary)."""
+        per item, or the rows asked for by `logits_from` (float32 on the CPU, truncated to the
+        usable vocabulary)."""
         if len(items) != len({i.request_id for i in items}):
             raise SpecserveError("a request may appear only once per forward pass")
         plans = [self._plan(item) for item in items]
@@ -259,6 +271,9 @@ class TorchWorker:
             input_ids[b, :t] = torch.tensor(p.input_ids)
             position_ids[b, :t] = torch.tensor(p.positions)
             mask[b, 0, :t, : p.start] = True
+            if p.cached_tree_mask is not None:
+                cached = p.cached_tree_mask.shape[1]
+                mask[b, 0, :t, p.start - cached : p.start] = torch.from_numpy(p.cached_tree_mask)
             mask[b, 0, :t, p.start : p.start + t] = torch.from_numpy(p.local_mask)
             mask[b, 0, t:, 0] = True  # padding rows attend somewhere to stay finite
         attn_mask = None if bool(mask.all()) else mask.to(self.device)

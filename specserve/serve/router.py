@@ -190,7 +190,7 @@ class Router:
                 result = await self._verify(verify)
                 compute = result.compute_s + (proposal.compute_s if proposal is not None else 0.0)
                 state.stats.round_trip_overhead_s += max(0.0, time.perf_counter() - started - compute)
-                emitted = state.commit(result, len(verify.draft))
+                emitted = state.commit(result, verify.draft)
                 state.finish_at_stop_string(self.codec.decode)
                 yield emitted
         finally:

@@ -1,0 +1,197 @@
+"""Draft tree shapes: how a proposer's token tree grows, level by level (pure, torch-free).
+
+A proposer grows its draft in levels. Each level it asks the growth for its `frontier` (the
+nodes whose children are wanted; -1 is the root), runs the draft model on them, hands
+`allocate` every frontier node's candidate probabilities (the draft's, most probable first),
+and adds the children `allocate` granted with `add`. Three growths:
+
+- `ChainGrowth`: one child per level, k levels, stopping once the draft is unsure
+  (the `draft` method);
+- `DynamicGrowth`: the best `width` children of the whole frontier per level, scored by the
+  draft's probability of their whole path, within a node budget (EAGLE-2's expansion);
+- `StaticGrowth`: a fixed shape given as paths of child ranks (Medusa's `medusa_choices`).
+
+How many children a node gets depends only on probabilities known before its children are
+drawn, never on which tokens the draws pick: lossless multi-draft verification of sampled
+trees needs that (see specserve.sampling.accept_rejection_tree).
+
+`shape_from_acceptance` turns measured per-rank acceptance into the static shape that
+spends a node budget where it pays.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from specserve.protocol import TokenTree, TreeSpec
+
+
+class ChainGrowth:
+    """k tokens in a row; stops after a token whose draft probability is below `min_confidence`
+    (any stopping rule that looks only at the draft keeps the output exact)."""
+
+    max_children = 1
+
+    def __init__(self, k: int, min_confidence: float = 0.0):
+        self.k = k
+        self.min_confidence = min_confidence
+        self.parents: list[int] = []
+        self._last_prob = 1.0
+
+    def frontier(self) -> list[int]:
+        n = len(self.parents)
+        if n >= self.k or self._last_prob < self.min_confidence:
+            return []
+        return [n - 1]
+
+    def allocate(self, candidates: dict[int, Sequence[float]]) -> dict[int, int]:
+        return {node: 1 for node, probs in candidates.items() if len(probs)}
+
+    def add(self, parent: int, prob: float) -> int:
+        self.parents.append(parent)
+        self._last_prob = prob
+        return len(self.parents) - 1
+
+
+class DynamicGrowth:
+    """Each level, the `width` children of the frontier with the highest path score join the
+    tree (children scoring below `min_score` never do) and form the next frontier, until
+    `depth` levels or `budget` nodes.
+
+    >>> g = DynamicGrowth(TreeSpec(budget=3, depth=2, width=2, min_score=0.1))
+    >>> g.allocate({-1: [0.6, 0.3, 0.1]})  # the root's two best children
+    {-1: 2}
+    >>> a, b = g.add(-1, 0.6), g.add(-1, 0.3)
+    >>> g.frontier(), g.allocate({a: [0.9, 0.05], b: [0.5]})  # 0.54 beats 0.15; 1 node left
+    ([0, 1], {0: 1})
+    """
+
+    def __init__(self, spec: TreeSpec):
+        self.spec = spec
+        self.max_children = spec.width
+        self.parents: list[int] = []
+        self.depths: list[int] = []
+        self.scores: list[float] = []
+        self._level = [-1]
+
+    def _score(self, node: int) -> float:
+        return 1.0 if node < 0 else self.scores[node]
+
+    def frontier(self) -> list[int]:
+        if len(self.parents) >= self.spec.budget:
+            return []
+        return [n for n in self._level
+                if n < 0 or (self.depths[n] < self.spec.depth and self.scores[n] >= self.spec.min_score)]
+
+    def allocate(self, candidates: dict[int, Sequence[float]]) -> dict[int, int]:
+        room = min(self.spec.width, self.spec.budget - len(self.parents))
+        ranked = sorted((-self._score(node) * p, order, rank, node)
+                        for order, (node, probs) in enumerate(candidates.items())
+                        for rank, p in enumerate(probs[: self.spec.width]))
+        counts: dict[int, int] = {}
+        for neg_value, _, _, node in ranked[:room]:
+            if -neg_value < self.spec.min_score:
+                break
+            counts[node] = counts.get(node, 0) + 1
+        self._level = []
+        return counts
+
+    def add(self, parent: int, prob: float) -> int:
+        node = len(self.parents)
+        self.parents.append(parent)
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        self.scores.append(self._score(parent) * prob)
+        self._level.append(node)
+        return node
+
+
+class StaticGrowth:
+    """The same shape every round: `spec.shape`, paths of child ranks."""
+
+    def __init__(self, spec: TreeSpec):
+        self.children_of: dict[tuple[int, ...], int] = {}
+        for path in spec.shape:
+            self.children_of[path[:-1]] = self.children_of.get(path[:-1], 0) + 1
+        self.max_children = max(self.children_of.values())
+        self.paths: list[tuple[int, ...]] = []
+        self._level = [-1]
+
+    def _path(self, node: int) -> tuple[int, ...]:
+        return () if node < 0 else self.paths[node]
+
+    def frontier(self) -> list[int]:
+        return [n for n in self._level if self._path(n) in self.children_of]
+
+    def allocate(self, candidates: dict[int, Sequence[float]]) -> dict[int, int]:
+        self._level = []
+        return {node: min(self.children_of[self._path(node)], len(probs)) for node, probs in candidates.items()}
+
+    def add(self, parent: int, prob: float) -> int:
+        base = self._path(parent)
+        rank = sum(1 for p in self.paths if p[:-1] == base)
+        self.paths.append(base + (rank,))
+        self._level.append(len(self.paths) - 1)
+        return len(self.paths) - 1
+
+
+def growth_for(k: int, tree: TreeSpec | None, min_confidence: float):
+    """The growth of one request's draft: a chain of k, or the tree `tree` capped at depth k."""
+    if tree is None:
+        return ChainGrowth(k, min_confidence)
+    tree = tree.capped(k)
+    return DynamicGrowth(tree) if tree.shape is None else StaticGrowth(tree)
+
+
+def shape_from_acceptance(rank_acceptance: Sequence[float], budget: int, depth: int) -> tuple[tuple[int, ...], ...]:
+    """The static shape that maximises the expected accepted length for a node budget, when the
+    draft's j-th ranked child is accepted with probability `rank_acceptance[j]` given that its
+    parent was (Sequoia's positional model). A node's chance of being accepted is then the
+    product of its path's rank probabilities; a best-first walk takes the `budget` most
+    likely nodes, which always form a tree.
+
+    >>> shape_from_acceptance([0.8, 0.1], budget=4, depth=3)  # 0.8, 0.64, 0.512 then 0.1
+    ((0,), (1,), (0, 0), (0, 0, 0))
+    """
+    if not rank_acceptance or budget < 1 or depth < 1:
+        return ()
+    chosen: list[tuple[int, ...]] = []
+    heap = [(-rank_acceptance[0], (0,), 1.0)]  # (-value, path, the parent's value)
+    while heap and len(chosen) < budget:
+        neg_value, path, parent_value = heapq.heappop(heap)
+        if -neg_value <= 0:
+            break
+        chosen.append(path)
+        rank = path[-1]
+        if rank + 1 < len(rank_acceptance):  # the next sibling
+            heapq.heappush(heap, (-parent_value * rank_acceptance[rank + 1], path[:-1] + (rank + 1,), parent_value))
+        if len(path) < depth:  # the first child
+            heapq.heappush(heap, (neg_value * rank_acceptance[0], path + (0,), -neg_value))
+    return tuple(sorted(chosen, key=lambda p: (len(p), p)))
+
+
+def rank_acceptance(accepted_per_rank: Sequence[int], reached_per_rank: Sequence[int]) -> list[float]:
+    """Measured acceptance per sibling rank: of the rank-j drafts whose parent was accepted,
+    the fraction accepted (from SpecStats.num_accepted_tokens_per_rank / num_reached_per_rank)."""
+    return [a / r if r else 0.0 for a, r in zip(accepted_per_rank, reached_per_rank)]
+
+
+def count_ranks(tree: TokenTree, accepted: Sequence[int]) -> tuple[list[int], list[int]]:
+    """For one verified tree and its accepted nodes: (accepted, reached) counts per sibling
+    rank. A node is reached when its parent (or the root) was accepted."""
+    ranks = tree.ranks()
+    children = tree.children()
+    accepted_counts: list[int] = []
+    reached_counts: list[int] = []
+    for parent in [-1, *accepted]:
+        for node in children.get(parent, ()):
+            _bump(reached_counts, ranks[node])
+    for node in accepted:
+        _bump(accepted_counts, ranks[node])
+    return accepted_counts, reached_counts
+
+
+def _bump(counts: list[int], index: int) -> None:
+    while len(counts) <= index:
+        counts.append(0)
+    counts[index] += 1
