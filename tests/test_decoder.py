@@ -182,3 +182,85 @@ def test_greedy_tree_rounds_equal_the_target_alone(qwen_pair):
     out = ids[len(PROMPTS[1]):][:30]
     assert out == hf_greedy(target, PROMPTS[1], 30)
     assert accepted_second_branch > 0  # the non-chain path (compaction moves KV) was exercised
+
+
+# ---- tree speculation through the decoder ---------------------------------------------------
+
+TREE_SPECS = {
+    "dynamic-16": dict(budget=16, depth=6, width=4, min_score=0.0),
+    "dynamic-8-narrow": dict(budget=8, depth=8, width=2, min_score=0.0),
+    "static": dict(shape=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]),
+}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("spec", sorted(TREE_SPECS))
+def test_greedy_tree_output_equals_target_alone(arch, spec):
+    from specserve.protocol import TreeSpec
+
+    target = tiny_model(arch, seed=11)
+    draft = perturbed(target, scale=0.15)
+    decoder = make_decoder(target, draft, method="tree")
+    decoder.tree = TreeSpec(**TREE_SPECS[spec])
+    outs = decoder.generate(PROMPTS, SamplingParams(max_tokens=24))  # a batch of four trees per round
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(target, prompt, 24)
+    stats = decoder.last_report.stats
+    assert stats.mean_accepted_length > 1.2
+    # a second-ranked child was accepted: the branches are real, and so is the compaction
+    assert len(stats.num_accepted_tokens_per_rank) > 1 and stats.num_accepted_tokens_per_rank[1] > 0
+
+
+def test_a_tree_accepts_more_per_round_than_a_chain_of_its_depth(qwen_pair):
+    from specserve.protocol import TreeSpec
+
+    target, _ = qwen_pair
+    draft = perturbed(target, scale=0.3)
+    decoder = make_decoder(target, draft, k=4)
+    decoder.proposer.min_confidence = 0.0  # a full chain of 4 every round
+    [chain] = decoder.generate([PROMPTS[1]], SamplingParams(max_tokens=40))
+    [tree] = decoder.generate([PROMPTS[1]], SamplingParams(max_tokens=40), method="tree",
+                              tree=TreeSpec(budget=32, depth=4, width=8, min_score=0.0))
+    assert tree.token_ids == chain.token_ids
+    assert tree.stats.mean_accepted_length > chain.stats.mean_accepted_length
+
+
+@pytest.mark.parametrize("spec", [
+    dict(shape=[[0], [1], [2], [0, 0], [0, 1], [1, 0]]),  # three siblings at the root, two below
+    dict(budget=6, depth=2, width=3, min_score=0.0),
+], ids=["static", "dynamic"])
+def test_sampled_tree_output_follows_the_target_distribution(spec):
+    from specserve.protocol import TreeSpec
+
+    params = SamplingParams(temperature=1.0, max_tokens=2)
+    target = tiny_model("qwen2", seed=5, vocab_size=SMALL_VOCAB)
+    draft = perturbed(target, scale=0.5, seed=9)
+    prompt = [1, 2, 3]
+    exact = exact_two_token_distribution(target, prompt, params)
+    decoder = make_decoder(target, draft, method="tree", top_m=64)
+    decoder.tree = TreeSpec(**spec)
+    errors = [tv(empirical_two_token_distribution(decoder, prompt, params, n, seed_base=n), exact)
+              for n in (500, 8000)]
+    assert errors[1] < errors[0]
+    assert errors[1] < 0.05
+    stats = decoder.last_report.stats
+    assert stats.num_reached_tokens_per_rank[2] > 0 and stats.num_accepted_tokens_per_rank[1] > 0
+
+
+def test_identical_draft_tree_accepts_its_first_children():
+    from specserve.protocol import TreeSpec
+
+    target = tiny_model("qwen2", seed=6)
+    decoder = make_decoder(target, target, method="tree", top_m=97)
+    decoder.tree = TreeSpec(budget=12, depth=4, width=3, min_score=0.0)
+    decoder.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=40, seed=0))
+    stats = decoder.last_report.stats
+    assert stats.num_accepted_tokens_per_rank[0] / stats.num_reached_tokens_per_rank[0] > 0.99
+
+
+def test_same_seed_same_tree_output(qwen_pair):
+    target, draft = qwen_pair
+    decoder = make_decoder(target, draft, method="tree")
+    runs = [decoder.generate(PROMPTS, SamplingParams(temperature=0.8, max_tokens=20, seed=s)) for s in (3, 3, 4)]
+    ids = [[o.token_ids for o in run] for run in runs]
+    assert ids[0] == ids[1] and ids[0] != ids[2]

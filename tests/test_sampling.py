@@ -123,3 +123,77 @@ def test_greedy_tree_acceptance_on_a_chain_equals_chain_acceptance():
         logits = torch.randn(k + 1, 4, generator=gen)
         draft = torch.randint(0, 4, (k,), generator=gen).tolist()
         assert accept_greedy_tree(TokenTree.chain(draft), logits) == accept_greedy(draft, logits)
+
+
+# ---- multi-draft (tree) rejection sampling -------------------------------------------------
+
+def _tree_round(p_root, p_next, q_root, q_next, gen, siblings=(3, 2)):
+    """Draw a 2-level tree without replacement from the draft (3 children at the root, 2 under
+    each), verify it against the target, return the first two emitted tokens."""
+    from specserve.protocol import TokenTree
+    from specserve.sampling import accept_rejection_tree
+
+    tokens, parents, q_rows, p_rows = [], [], [], [p_root]
+    for x in torch.multinomial(q_root, siblings[0], replacement=False, generator=gen).tolist():
+        tokens.append(x), parents.append(-1), q_rows.append(q_root), p_rows.append(p_next[x])
+    for parent in range(siblings[0]):
+        x1 = tokens[parent]
+        for x in torch.multinomial(q_next[x1], siblings[1], replacement=False, generator=gen).tolist():
+            tokens.append(x), parents.append(parent), q_rows.append(q_next[x1])
+            p_rows.append(torch.full_like(p_root, 1 / len(p_root)))  # after depth 2: unused here
+    out = accept_rejection_tree(TokenTree(tuple(tokens), tuple(parents)), torch.stack(q_rows),
+                                torch.stack(p_rows), gen)
+    if len(out) == 1:  # all rejected at the root: the second token comes from the next round
+        out.append(int(torch.multinomial(p_next[out[0]], 1, generator=gen)))
+    return out[:2]
+
+
+def test_tree_rejection_sampling_emits_the_target_distribution():
+    """Several siblings per node, drawn without replacement: the first two emitted tokens
+    follow the target's joint distribution, with an error that shrinks with samples."""
+    torch.manual_seed(4)
+    vocab = 5
+    p_root = torch.softmax(torch.randn(vocab) * 1.5, -1)
+    p_next = torch.softmax(torch.randn(vocab, vocab) * 1.5, -1)
+    q_root = torch.softmax(torch.randn(vocab) * 1.5, -1)
+    q_next = torch.softmax(torch.randn(vocab, vocab) * 1.5, -1)
+    exact = (p_root[:, None] * p_next).flatten()
+    assert tv((q_root[:, None] * q_next).flatten(), exact) > 0.2  # the draft is far off
+
+    def empirical(n, seed):
+        gen = generator_for(seed)
+        counts = torch.zeros(vocab * vocab)
+        for _ in range(n):
+            a, b = _tree_round(p_root, p_next, q_root, q_next, gen)
+            counts[a * vocab + b] += 1
+        return counts / n
+
+    errors = [tv(empirical(n, seed=n), exact) for n in (300, 12000)]
+    assert errors[1] < errors[0] and errors[1] < 0.03
+    random_refs = [tv(torch.softmax(torch.randn(vocab * vocab) * 1.5, -1), exact) for _ in range(20)]
+    assert errors[1] < min(random_refs) / 4
+
+
+def test_tree_rejection_with_an_identical_draft_accepts_the_first_child():
+    from specserve.protocol import TokenTree
+    from specserve.sampling import accept_rejection_tree
+
+    torch.manual_seed(5)
+    p = torch.softmax(torch.randn(3, 12), -1)
+    gen = generator_for(0)
+    for _ in range(200):
+        first, second = torch.multinomial(p[0], 2, replacement=False, generator=gen).tolist()
+        tree = TokenTree((first, second), (-1, -1))
+        out = accept_rejection_tree(tree, p[[0, 0]], p, gen)
+        assert out[0] == first and len(out) == 2
+
+
+def test_a_rejected_sibling_cannot_be_emitted_as_the_recovered_token():
+    from specserve.protocol import TokenTree
+    from specserve.sampling import accept_rejection_tree
+
+    p = torch.tensor([0.0, 0.0, 1.0])  # the target always says 2
+    q = torch.tensor([0.5, 0.5, 0.0])
+    tree = TokenTree((0, 1), (-1, -1))
+    for seed in range(20):
+        assert accept_rejection_tree(tree, torch.stack([q, q]), torch.stack([p, p, p]), generator_for(seed))[0] == 2
