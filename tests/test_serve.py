@@ -173,6 +173,31 @@ def test_per_request_speculation_override(client, reference):
     assert r.usage.model_extra["speculation"]["num_draft_tokens"] == 0
 
 
+def test_tree_speculation_per_request_equals_the_target_alone(client, reference):
+    """method "tree" through the router and the pools, streaming and not, with the
+    deployment's tree settings and with a request's own (a static shape)."""
+    tokenizer, _, greedy_text, _ = reference
+    expected = greedy_text(tokenizer.encode(PROMPTS[1]), 40)
+    for tree in ({}, {"budget": 6, "depth": 3}, {"shape": [[0], [1], [0, 0], [1, 0], [0, 0, 0]]}):
+        speculation = {"method": "tree", **({"tree": tree} if tree else {})}
+        r = client.completions.create(model="smol", prompt=PROMPTS[1], max_tokens=40, temperature=0,
+                                      extra_body={"speculation": speculation})
+        assert r.choices[0].text == expected
+        spec = r.usage.model_extra["speculation"]
+        assert spec["num_draft_tokens"] > 0 and spec["mean_accepted_length"] > 1
+        assert sum(spec["num_reached_tokens_per_rank"][1:]) > 0  # real trees: second-ranked drafts
+        stream = client.completions.create(model="smol", prompt=PROMPTS[1], max_tokens=40, temperature=0,
+                                           stream=True, extra_body={"speculation": speculation})
+        assert "".join(c.choices[0].text for c in stream) == expected
+
+
+def test_sampled_tree_requests_are_reproducible(client):
+    runs = [client.completions.create(model="smol", prompt="Tell me a story:", max_tokens=24, temperature=0.9,
+                                      seed=77, extra_body={"speculation": {"method": "tree"}}).choices[0].text
+            for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0]
+
+
 def test_sampling_with_a_seed_is_reproducible(client):
     runs = [client.completions.create(model="smol", prompt="Tell me a story:", max_tokens=24, temperature=0.9,
                                       top_p=0.95, seed=1234).choices[0].text for _ in range(2)]
@@ -304,6 +329,9 @@ def test_client_disconnect_frees_caches_in_both_pools(app, client):
     ({"model": "smol", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ({"model": "smol", "prompt": "x", "speculation": {"method": "medusa-typo"}}, 400, "speculation"),
     ({"model": "smol", "prompt": "x", "speculation": {"k": -1}}, 400, "speculation"),
+    ({"model": "smol", "prompt": "x", "speculation": {"method": "tree", "tree": {"budget": 0}}}, 400, "budget"),
+    ({"model": "smol", "prompt": "x", "speculation": {"method": "tree", "tree": {"shape": [[1]]}}}, 400, "sibling"),
+    ({"model": "smol", "prompt": "x", "speculation": {"tree": {"breadth": 3}}}, 400, "breadth"),
     ({"model": "smol"}, 400, "prompt"),
 ])
 def test_bad_requests_get_openai_style_errors(app, body, status, fragment):

@@ -43,8 +43,29 @@ def test_ray_schema_and_args_reject_broken_manifests():
         AppArgs.model_validate({**args, "speculation": {"method": "medusa-typo"}})
     with pytest.raises(ValidationError, match="extra"):
         AppArgs.model_validate({**args, "targte": {}})
+    with pytest.raises(ValidationError, match="needs a draft pool"):
+        AppArgs.model_validate({**args, "draft": None, "speculation": {"method": "tree"}})
+    with pytest.raises(ValidationError, match="elder sibling"):
+        AppArgs.model_validate({**args, "speculation": {"method": "tree", "tree": {"shape": [[0], [2]]}}})
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        AppArgs.model_validate({**args, "speculation": {"tree": {"budget": 0}}})
     with pytest.raises(ValidationError, match="not both"):
         AppArgs.model_validate({**args, "target": {**args["target"], "autoscaling_config": {"max_replicas": 2}}})
+
+
+def test_tree_args_become_a_tree_spec():
+    from specserve.protocol import TreeSpec
+    from specserve.serve.config import TreeArgs
+    from specserve.serve.openai_api import TreeOverride
+
+    assert TreeArgs().spec() == TreeSpec()
+    static = TreeArgs(shape=[[0], [0, 0], [1]]).spec()
+    assert static.shape == ((0,), (1,), (0, 0)) and static.budget == 3 and static.depth == 2
+    base = TreeArgs(budget=32, depth=6).spec()
+    assert TreeOverride(depth=3).apply_to(base) == TreeSpec(budget=32, depth=3)
+    assert TreeOverride(shape=[[0]]).apply_to(base).shape == ((0,),)
+    with pytest.raises(SpecserveError, match="budget"):
+        TreeOverride(budget=1000).apply_to(base)
 
 
 def test_builder_refuses_a_draft_with_another_vocabulary(tmp_path):

@@ -9,8 +9,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specserve.protocol import MAX_K
-from specserve.request_state import METHODS
+from specserve.protocol import MAX_K, MAX_TREE_NODES, SpecserveError, TreeSpec
+from specserve.request_state import DRAFT_METHODS, METHODS
 
 
 class _Strict(BaseModel):
@@ -64,11 +64,37 @@ class PoolArgs(_DeploymentArgs):
     IF_SET: ClassVar[tuple[str, ...]] = _DeploymentArgs.IF_SET + ("placement_group_bundles", "placement_group_strategy")
 
 
+class TreeArgs(_Strict):
+    """Method `tree`: how the draft grows its token tree each round (see TreeSpec)."""
+
+    budget: int = Field(TreeSpec.budget, ge=1, le=MAX_TREE_NODES, description="most draft nodes per round")
+    depth: int = Field(TreeSpec.depth, ge=1, le=MAX_K, description="most levels per round")
+    width: int = Field(TreeSpec.width, ge=1, le=MAX_TREE_NODES, description="new nodes per level (dynamic)")
+    min_score: float = Field(TreeSpec.min_score, ge=0, lt=1,
+                             description="skip nodes whose path probability under the draft is lower (dynamic)")
+    shape: list[list[int]] | None = Field(None, description="a static shape: paths of child ranks, e.g. "
+                                          "[[0], [1], [0, 0]]; budget and depth then follow from it")
+
+    @model_validator(mode="after")
+    def _valid_spec(self):
+        try:
+            self.spec()
+        except SpecserveError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def spec(self) -> TreeSpec:
+        fields = self.model_dump()
+        fields["shape"] = None if self.shape is None else tuple(tuple(p) for p in self.shape)
+        return TreeSpec(**fields)
+
+
 class SpeculationArgs(_Strict):
     """Deployment-wide defaults; a request may override method and k."""
 
     method: Literal[METHODS] = "draft"  # type: ignore[valid-type]
     k: int = Field(4, ge=0, le=MAX_K)
+    tree: TreeArgs = Field(default_factory=TreeArgs)
     draft_min_confidence: float = Field(0.5, ge=0, le=1)
     draft_top_m: int = Field(256, ge=1)
     # A draft pool slower than this for a round is skipped: the round runs target-only.
@@ -101,8 +127,9 @@ class AppArgs(_Strict):
 
     @model_validator(mode="after")
     def _cross_field(self) -> AppArgs:
-        if self.speculation.method == "draft" and self.draft is None:
-            raise ValueError("speculation.method 'draft' needs a draft pool: add `draft:` or use method 'none'")
+        if self.speculation.method in DRAFT_METHODS and self.draft is None:
+            raise ValueError(f"speculation.method {self.speculation.method!r} needs a draft pool: "
+                             "add `draft:` or use method 'none'")
         return self
 
     @property

@@ -4,20 +4,41 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specserve.protocol import MAX_K, SamplingParams
+from specserve.protocol import MAX_K, SamplingParams, TreeSpec
 from specserve.request_state import METHODS
 
 
+class TreeOverride(BaseModel):
+    """Per-request tree settings; unset fields keep the deployment's (see TreeArgs)."""
+
+    model_config = ConfigDict(extra="forbid")
+    budget: int | None = None
+    depth: int | None = None
+    width: int | None = None
+    min_score: float | None = None
+    shape: list[list[int]] | None = None
+
+    def apply_to(self, spec: TreeSpec) -> TreeSpec:
+        """The deployment's spec with this request's fields; TreeSpec checks the ranges."""
+        fields = self.model_dump(exclude_unset=True)
+        if fields.get("shape") is not None:
+            fields["shape"] = tuple(tuple(path) for path in fields["shape"])
+        return replace(spec, **fields)
+
+
 class SpeculationOverride(BaseModel):
-    """specserve extension: per-request speculation, e.g. {"method": "none"} or {"k": 2}."""
+    """specserve extension: per-request speculation, e.g. {"method": "none"}, {"k": 2} or
+    {"method": "tree", "tree": {"budget": 8, "depth": 4}}."""
 
     model_config = ConfigDict(extra="forbid")
     method: Literal[METHODS] | None = None  # type: ignore[valid-type]
     k: int | None = Field(None, ge=0, le=MAX_K)
+    tree: TreeOverride | None = None
 
 
 class StreamOptions(BaseModel):

@@ -28,7 +28,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.protocol import Proposal, ProposeRequest, SpecserveError, VerifyRequest, VerifyResult
-from specserve.request_state import RequestState
+from specserve.request_state import DRAFT_METHODS, RequestState
 from specserve.serve.config import AppArgs
 from specserve.serve.openai_api import (
     ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage,
@@ -114,6 +114,7 @@ class Router:
     def __init__(self, target: DeploymentHandle, draft: DeploymentHandle | None, args: dict):
         self.args = AppArgs.model_validate(args)
         self.spec = self.args.speculation
+        self.tree = self.spec.tree.spec()
         self.target = target
         self.draft = draft
         self.codec = TextCodec.for_model(self.args.target.model)
@@ -202,18 +203,19 @@ class Router:
         if body.model != self.args.served_name:
             raise ModelNotFound(f"model {body.model!r} is not served here; this server serves {self.args.served_name!r}")
         info = await self._model_info()
-        method = self.spec.method
-        k = self.spec.k
+        method, k, tree = self.spec.method, self.spec.k, self.tree
         if body.speculation is not None:
             method = body.speculation.method or method
             k = body.speculation.k if body.speculation.k is not None else k
-        if method == "draft" and self.draft is None:
+            if body.speculation.tree is not None:
+                tree = body.speculation.tree.apply_to(tree)
+        if method in DRAFT_METHODS and self.draft is None:
             raise SpecserveError("this deployment has no draft pool: use speculation method 'none'")
         if any(t < 0 or t >= self.codec.tokenizer.get_vocab_size(with_added_tokens=True) for t in prompt_ids):
             raise SpecserveError("the prompt contains token ids outside the vocabulary")
         return RequestState(
             uuid.uuid4().hex, prompt_ids, body.sampling_params(self.args.max_tokens_default), method, k,
-            frozenset(info["eos_token_ids"]), info["max_context"], prefill_without_draft=True,
+            frozenset(info["eos_token_ids"]), info["max_context"], tree=tree, prefill_without_draft=True,
         )
 
     def _text(self, state: RequestState) -> str:
