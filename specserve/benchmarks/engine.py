@@ -47,13 +47,13 @@ def humaneval_prompts(n: int) -> list[str]:
     return [problems[key]["prompt"] for key in sorted(problems, key=lambda k: int(k.split("/")[1]))[:n]]
 
 
-def run_specserve(decoder, name, prompt_ids, max_tokens, method, k) -> SystemResult:
+def run_specserve(decoder, name, prompt_ids, max_tokens, method, k, **generate_kwargs) -> SystemResult:
     from specserve.protocol import SamplingParams
 
     result = SystemResult(name)
     for ids in prompt_ids:
         start = time.perf_counter()
-        [out] = decoder.generate([ids], SamplingParams(max_tokens=max_tokens), method=method, k=k)
+        [out] = decoder.generate([ids], SamplingParams(max_tokens=max_tokens), method=method, k=k, **generate_kwargs)
         result.seconds += time.perf_counter() - start
         result.tokens += len(out.token_ids)
         result.target_steps += out.stats.target_steps

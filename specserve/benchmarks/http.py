@@ -32,12 +32,17 @@ class StreamResult:
     ttft_s: float = 0.0
     seconds: float = 0.0
     speculation: dict = field(default_factory=dict)
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each text chunk, s after the request
 
 
-async def stream_completion(http, url: str, model: str, prompt: str, max_tokens: int, method: str | None) -> StreamResult:
+async def stream_completion(http, url: str, model: str, prompt: str | list[int], max_tokens: int, method: str | None,
+                            *, speculation: dict | None = None) -> StreamResult:
+    """Stream one greedy completion. ``speculation`` (e.g. {"method": "draft", "k": 4}) overrides ``method``."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    if method is not None:
+    if speculation is not None:
+        body["speculation"] = speculation
+    elif method is not None:
         body["speculation"] = {"method": method}
     result = StreamResult()
     started = time.perf_counter()
@@ -48,9 +53,12 @@ async def stream_completion(http, url: str, model: str, prompt: str, max_tokens:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("error"):  # reported in-band once the stream has started
+                raise RuntimeError(f"stream error: {chunk['error'].get('message', chunk['error'])}")
             if chunk.get("choices") and chunk["choices"][0]["text"]:
+                result.chunk_times.append(time.perf_counter() - started)
                 if not result.text:
-                    result.ttft_s = time.perf_counter() - started
+                    result.ttft_s = result.chunk_times[0]
                 result.text += chunk["choices"][0]["text"]
             if chunk.get("usage"):
                 result.tokens = chunk["usage"]["completion_tokens"]
@@ -59,7 +67,8 @@ async def stream_completion(http, url: str, model: str, prompt: str, max_tokens:
     return result
 
 
-async def run_level(url, model, prompts, max_tokens, concurrency, method) -> tuple[float, list[StreamResult]]:
+async def run_level(url, model, prompts, max_tokens, concurrency, method, *,
+                    speculation: dict | None = None) -> tuple[float, list[StreamResult]]:
     import httpx
 
     queue = list(prompts)
@@ -70,7 +79,8 @@ async def run_level(url, model, prompts, max_tokens, concurrency, method) -> tup
             while queue:
                 index = len(prompts) - len(queue)
                 prompt = queue.pop(0)
-                results[index] = await stream_completion(http, url, model, prompt, max_tokens, method)
+                results[index] = await stream_completion(http, url, model, prompt, max_tokens, method,
+                                                         speculation=speculation)
 
         started = time.perf_counter()
         await asyncio.gather(*[worker() for _ in range(concurrency)])
@@ -93,6 +103,27 @@ def wait_healthy(url: str, timeout_s: float, server: subprocess.Popen | None) ->
     raise RuntimeError(f"{url} did not become healthy in {timeout_s:.0f} s")
 
 
+def start_server(manifest: str, log_path: str | None = None) -> subprocess.Popen:
+    """`serve run MANIFEST` in its own process group (stop it with `stop_server`)."""
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    try:
+        return subprocess.Popen([serve_bin, "run", manifest], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    finally:
+        if log_path:
+            log.close()
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    os.killpg(server.pid, signal.SIGINT)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--manifest", help="start `serve run MANIFEST` for the benchmark, then stop it")
@@ -105,12 +136,7 @@ def main(argv=None) -> int:
 
     import httpx
 
-    server = None
-    if args.manifest:
-        env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-        serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
-        server = subprocess.Popen([serve_bin, "run", args.manifest], env=env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, start_new_session=True)
+    server = start_server(args.manifest) if args.manifest else None
     try:
         wait_healthy(args.url, 900, server)
         model = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
@@ -144,11 +170,7 @@ def main(argv=None) -> int:
                 json.dump({"args": vars(args), "rows": rows}, f, indent=1)
     finally:
         if server is not None:
-            os.killpg(server.pid, signal.SIGINT)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+            stop_server(server)
     return 0
 
 

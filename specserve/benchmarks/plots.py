@@ -1,0 +1,90 @@
+"""PNG plots of a results.json document (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specserve.benchmarks.report import PLOTS
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plots(doc: dict, out_dir: Path) -> dict[str, str]:
+    """Write the plots that the results have data for; return {plot key: file name}."""
+    written = {}
+    library = [r for r in doc.get("library", []) if r["status"] == "ok" and r.get("speedup") is not None]
+    if library:
+        written["speedup"] = _speedup(library, out_dir / PLOTS["speedup"][0])
+    service = [r for r in doc.get("service", []) if r["status"] == "ok"]
+    if service:
+        written["throughput"] = _vs_concurrency(service, out_dir / PLOTS["throughput"][0],
+                                                [("throughput_tok_s", "tokens/s (all streams)")])
+        written["latency"] = _vs_concurrency(service, out_dir / PLOTS["latency"][0],
+                                             [("ttft_p99_s", "TTFT p99 (s)"), ("itl_p99_s", "ITL p99 (s)")])
+    return written
+
+
+def _speedup(runs: list[dict], path: Path) -> str:
+    plt = _pyplot()
+    systems = list(dict.fromkeys(r["system"] for r in runs))
+    workloads = list(dict.fromkeys(r["workload"] for r in runs))
+    width = 0.8 / len(workloads)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(systems) + 2), 4.5))
+    for j, workload in enumerate(workloads):
+        xs, ys, bad = [], [], []
+        for i, system in enumerate(systems):
+            run = next((r for r in runs if r["system"] == system and r["workload"] == workload), None)
+            if run is not None:
+                xs.append(i + (j - (len(workloads) - 1) / 2) * width)
+                ys.append(run["speedup"])
+                bad.append(bool(run.get("mismatch")))
+        bars = ax.bar(xs, ys, width, label=workload)
+        for bar, flagged in zip(bars, bad):
+            ax.annotate(f"{bar.get_height():.2f}" + (" ✗" if flagged else ""),
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7,
+                        color="red" if flagged else "black")
+    ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(systems)))
+    ax.set_xticklabels(systems, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("speedup over specserve none (tok/s ratio)")
+    ax.set_title("Library mode, batch 1 (✗ = output differs from target-only)")
+    ax.legend(title="workload")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.name
+
+
+def _vs_concurrency(runs: list[dict], path: Path, metrics: list[tuple[str, str]]) -> str:
+    plt = _pyplot()
+    workloads = list(dict.fromkeys(r["workload"] for r in runs))
+    fig, axes = plt.subplots(len(metrics), len(workloads), figsize=(5 * len(workloads), 3.6 * len(metrics)),
+                             squeeze=False)
+    for row, (key, label) in enumerate(metrics):
+        for col, workload in enumerate(workloads):
+            ax = axes[row][col]
+            for system in dict.fromkeys(r["system"] for r in runs):
+                points = sorted((r["concurrency"], r[key]) for r in runs
+                                if r["system"] == system and r["workload"] == workload and r.get(key) is not None)
+                if points:
+                    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=system)
+            levels = sorted({r["concurrency"] for r in runs})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(levels)
+            ax.set_xticklabels([str(c) for c in levels])
+            ax.set_xlabel("concurrent streams")
+            ax.set_ylabel(label)
+            ax.set_title(f"{workload}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.name

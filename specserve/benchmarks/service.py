@@ -1,0 +1,112 @@
+"""Service mode: specserve served by `serve run`, measured through its HTTP API.
+
+One server for the whole sweep. Every specserve variant is a per-request ``speculation``
+override on the same deployment, so all of them share the same pools and the same warm caches.
+At each concurrency, each workload's prompts (token ids, the same as in library mode) are
+streamed by that many concurrent clients; time to first token and the gaps between text chunks
+(inter-token latency as a client sees it; a speculative round can deliver several tokens in one
+chunk) come from the arrival times of the server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from specserve.benchmarks.http import run_level, start_server, stop_server, wait_healthy
+from specserve.benchmarks.systems import CANNOT_RUN, FAILED, K, ServiceRun, System
+from specserve.benchmarks.workloads import Workload
+
+Encoded = list[tuple[Workload, list[list[int]]]]
+
+
+def serve_config(target: str, draft: str | None, dtype: str, port: int) -> dict:
+    """A Serve config for the benchmark pair on this machine (like manifests/local.yaml)."""
+    threads = 2  # pools take turns within a round: each may use both cores
+
+    def pool(model: str, cpus: float) -> dict:
+        return {"model": model, "dtype": dtype, "torch_threads": threads, "num_replicas": 1,
+                "ray_actor_options": {"num_cpus": cpus}, "max_batch_size": 8}
+
+    args = {"model_name": "bench", "target": pool(target, 1.0),
+            "speculation": {"method": "draft" if draft else "none", "k": K, "draft_min_confidence": 0.5},
+            "router": {"ray_actor_options": {"num_cpus": 0.1}, "max_ongoing_requests": 32,
+                       "max_queued_requests": 32}}
+    if draft:
+        args["draft"] = pool(draft, 0.5)
+    return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
+            "applications": [{"name": "specserve-bench", "route_prefix": "/",
+                              "import_path": "specserve.serve:build_app", "args": args}]}
+
+
+def manifest_port(manifest: str) -> int:
+    import yaml
+
+    with open(manifest) as f:
+        return int((yaml.safe_load(f).get("http_options") or {}).get("port", 8000))
+
+
+def _log_tail(path: Path, lines: int = 5) -> str:
+    try:
+        tail = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()][-lines:]
+    except OSError:
+        return ""
+    return " | ".join(tail)[-400:]
+
+
+def run_service(systems: list[System], encoded: Encoded, *, manifest: str, url: str, max_tokens: int,
+                concurrency: list[int], log_path: Path, bar, startup_timeout_s: float = 900) -> list[ServiceRun]:
+    import httpx
+
+    cells = [(c, w, ids, s) for c in concurrency for w, ids in encoded for s in systems]
+    bar.set_description("serve run (starting)")
+    server = start_server(manifest, str(log_path))
+    try:
+        try:
+            wait_healthy(url, startup_timeout_s, server)
+            model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        except Exception as exc:
+            bar.update(len(cells))
+            reason = f"the server did not start: {exc} (log {log_path}: {_log_tail(log_path)})"
+            return [ServiceRun(s.name, s.method, w.name, c, status=CANNOT_RUN, reason=reason) for c, w, _, s in cells]
+        refused = {}
+        for system in systems:  # warm-up, and the place where a refused method says why
+            bar.set_description(f"{system.name} (warm-up)")
+            try:
+                asyncio.run(run_level(url, model, [encoded[0][1][0]], 4, 1, None, speculation=speculation(system)))
+            except Exception as exc:
+                refused[system.name] = str(exc).splitlines()[0][:300]
+        runs = []
+        for c, workload, prompt_ids, system in cells:
+            bar.set_description(f"{system.name} x{c} {workload.name}")
+            run = ServiceRun(system.name, system.method, workload.name, c)
+            runs.append(run)
+            if system.name in refused:
+                run.status, run.reason = CANNOT_RUN, refused[system.name]
+            else:
+                try:
+                    measure(run, url, model, prompt_ids, max_tokens, speculation(system))
+                except Exception as exc:
+                    run.status, run.reason = FAILED, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            bar.update(1)
+        return runs
+    finally:
+        bar.set_description("serve run (stopping)")
+        stop_server(server)
+
+
+def speculation(system: System) -> dict:
+    return {"method": system.method, **system.options}
+
+
+def measure(run: ServiceRun, url: str, model: str, prompt_ids: list[list[int]], max_tokens: int, spec: dict) -> None:
+    wall_s, results = asyncio.run(run_level(url, model, prompt_ids, max_tokens, run.concurrency, None,
+                                            speculation=spec))
+    run.wall_s = wall_s
+    run.requests = len(results)
+    for r in results:
+        run.tokens += r.tokens
+        run.target_steps += r.speculation.get("target_steps", 0)
+        run.ttft_s.append(r.ttft_s)
+        run.itl_s += [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+        run.texts.append(r.text)
