@@ -78,7 +78,7 @@ def _library_rows(runs: list[dict]) -> list[str]:
         same_none = run.get("same_as_specserve_none")
         rows.append(
             f"| {run['system']} | {run['tokens_per_second']:.2f} | {_f(run.get('speedup'), '{:.2f}x')} "
-            f"| {_f(run.get('latency_p50_s'), '{:.2f} s')} | {_f(run.get('mean_accepted_length'))} "
+            f"| {_sec(run.get('latency_p50_s'))} | {_f(run.get('mean_accepted_length'))} "
             f"| {_f(run.get('acceptance_rate'))} | {_exact(run, n)} "
             f"| {'-' if same_none is None else f'{same_none}/{n}'} | {'; '.join(n for n in notes if n)} |")
     return rows

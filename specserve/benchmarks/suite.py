@@ -181,6 +181,9 @@ def _run_in_process(in_process, encoded, args, bar, machine) -> list[systems.Lib
 
     set_torch_threads(args.threads)
     import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # generate()'s deprecation chatter would break the progress bar
 
     machine["torch_threads"] = torch.get_num_threads()
     bar.set_description("loading models")
