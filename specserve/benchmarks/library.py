@@ -105,9 +105,12 @@ def _run_one(system: System, encoded: Encoded, pair, decoder, max_tokens: int, b
 
 
 def vllm_python(path: str | None = None) -> str | None:
-    """The vLLM environment's python, if there is one."""
-    candidate = path or os.environ.get("SPECSERVE_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON
-    return candidate if os.path.isfile(candidate) and os.access(candidate, os.X_OK) else None
+    """The vLLM environment's python: --vllm-python, $SPECSERVE_VLLM_PYTHON, or .venv-vllm in the
+    current directory or the checkout specserve runs from (`make vllm-env` makes it)."""
+    explicit = path or os.environ.get("SPECSERVE_VLLM_PYTHON")
+    candidates = [explicit] if explicit else [DEFAULT_VLLM_PYTHON,
+                                              str(Path(__file__).resolve().parents[2] / DEFAULT_VLLM_PYTHON)]
+    return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
 
 
 def vllm_version(python: str) -> str | None:
@@ -133,9 +136,7 @@ def _vllm_env(python: str) -> dict[str, str]:
 def _preload(python: str) -> str:
     """tcmalloc (Debian's libtcmalloc-minimal4) if installed, and the venv's Intel OpenMP."""
     libs = [TCMALLOC] if os.path.exists(TCMALLOC) else []
-    iomp = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
-    if not iomp.exists():
-        iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
+    iomp = Path(os.path.abspath(python)).parent.parent / "lib" / "libiomp5.so"  # the venv's, not the interpreter's
     if iomp.exists():
         libs.append(str(iomp))
     return ":".join(libs)
@@ -171,7 +172,7 @@ def run_vllm(systems: list[System], encoded: Encoded, *, target_dir: str | None,
         runs += _vllm_subprocess(system, encoded, request, python, log_path, bar, timeout_s)
         if eager:
             for run in runs[-len(encoded):]:
-                run.note = "enforce_eager (no torch.compile; --quick)"
+                run.note = "vLLM in eager mode (enforce_eager: no torch.compile)"
     return runs
 
 
@@ -214,5 +215,6 @@ def _vllm_subprocess(system, encoded, request, python, log_path, bar, timeout_s)
         run.num_drafts = counters.get("num_drafts", 0)
         run.num_draft_tokens = counters.get("num_draft_tokens", 0)
         run.num_accepted_tokens = counters.get("num_accepted_tokens", 0)
+        run.startup_s = result.get("load_s")
         runs.append(run)
     return runs

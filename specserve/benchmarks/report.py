@@ -72,6 +72,8 @@ def _library_rows(runs: list[dict]) -> list[str]:
             rows.append(f"| {run['system']} | {run['status']} | | | | | | | {_reason(run)} |")
             continue
         notes = [run.get("note") or ""]
+        if run.get("startup_s") is not None:
+            notes.append(f"engine start {run['startup_s']:.0f} s, not counted")
         diffs = [d for d in run.get("first_difference") or [] if d is not None]
         if diffs:
             notes.append(f"first difference at token {min(diffs)}")

@@ -113,46 +113,23 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
     n_prompts = sum(len(w.prompts) for w in lib_workloads)
     total = len(lib_systems) * n_prompts + len(svc_systems) * len(svc_encoded) * len(args.concurrency)
     bar = tqdm(total=total, disable=args.no_progress, file=sys.stderr, unit="step", dynamic_ncols=True)
-    notes: list[str] = []
     machine = machine_info(args)
 
-    in_process = [s for s in lib_systems if s.engine != "vllm"]
-    lib_runs = _run_in_process(in_process, lib_encoded, args, bar, machine)
-    vllm = [s for s in lib_systems if s.engine == "vllm"]
-    if vllm:
-        python = library.vllm_python(args.vllm_python)
-        machine["vllm"] = (library.vllm_version(python) if python else None) or "not installed"
-        eos = sorted(_eos_ids(args.target, tokenizer))
-        lib_runs += library.run_vllm(
-            vllm, lib_encoded, target_dir=_local_dir(args.target), draft_dir=_local_dir(args.draft),
-            dtype=args.dtype, max_tokens=args.max_tokens, stop_token_ids=eos, python=python,
-            eager=args.vllm_eager or args.quick, log_path=out / "vllm.log", bar=bar)
-    systems.compare(lib_runs)
-
-    svc_runs = []
+    phases: dict[str, float] = {}  # wall time of each phase, to plan runs
+    lib_runs = _library_mode(args, lib_systems, lib_encoded, tokenizer, machine, out, bar, phases)
+    svc_runs = _service_mode(args, svc_systems, svc_encoded, out, bar, phases)
+    bar.close()
+    notes = []
     if svc_systems:
-        manifest = args.manifest
-        if manifest is None:
-            import yaml
-
-            manifest = str(out / "serve-config.yaml")
-            config = service.serve_config(_local_dir(args.target) or args.target,
-                                          _local_dir(args.draft) or args.draft, args.dtype, args.port)
-            Path(manifest).write_text(yaml.safe_dump(config, sort_keys=False))
-        port = service.manifest_port(manifest)
-        svc_runs = service.run_service(svc_systems, svc_encoded, manifest=manifest, url=f"http://127.0.0.1:{port}",
-                                       max_tokens=args.max_tokens, concurrency=args.concurrency,
-                                       log_path=out / "serve.log", bar=bar)
-        systems.compare_service(svc_runs)
         notes.append("Service mode measures specserve only: vLLM's OpenAI server and transformers have no "
                      "service-mode runs in this harness yet (library mode compares them).")
-    bar.close()
 
     return {
         "command": command,
         "full_command": FULL_COMMAND,
         "started": started.isoformat(timespec="seconds"),
         "duration_s": time.monotonic() - t0,
+        "phases": phases,
         "machine": machine,
         "setup": {
             "target": args.target, "draft": args.draft, "dtype": args.dtype, "max_tokens": args.max_tokens,
@@ -162,10 +139,48 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
             "workloads": [_describe(w) for w in lib_workloads] if lib_systems else [],
             "service_workloads": [_describe(w) for w in svc_workloads],
         },
-        "library": [r.as_dict() for r in lib_runs],
-        "service": [r.as_dict() for r in svc_runs],
+        "library": lib_runs,
+        "service": svc_runs,
         "notes": notes,
     }
+
+
+def _library_mode(args, lib_systems, encoded, tokenizer, machine, out, bar, phases) -> list[dict]:
+    started = time.monotonic()
+    runs = _run_in_process([s for s in lib_systems if s.engine != "vllm"], encoded, args, bar, machine)
+    phases["library_in_process_s"] = time.monotonic() - started
+    vllm = [s for s in lib_systems if s.engine == "vllm"]
+    if vllm:
+        started = time.monotonic()
+        python = library.vllm_python(args.vllm_python)
+        machine["vllm"] = (library.vllm_version(python) if python else None) or "not installed"
+        runs += library.run_vllm(
+            vllm, encoded, target_dir=_local_dir(args.target), draft_dir=_local_dir(args.draft),
+            dtype=args.dtype, max_tokens=args.max_tokens, stop_token_ids=sorted(_eos_ids(args.target, tokenizer)),
+            python=python, eager=args.vllm_eager or args.quick, log_path=out / "vllm.log", bar=bar)
+        phases["library_vllm_s"] = time.monotonic() - started
+    systems.compare(runs)
+    return [r.as_dict() for r in runs]
+
+
+def _service_mode(args, svc_systems, encoded, out, bar, phases) -> list[dict]:
+    if not svc_systems:
+        return []
+    started = time.monotonic()
+    manifest = args.manifest
+    if manifest is None:
+        import yaml
+
+        manifest = str(out / "serve-config.yaml")
+        config = service.serve_config(_local_dir(args.target) or args.target, _local_dir(args.draft) or args.draft,
+                                      args.dtype, args.port)
+        Path(manifest).write_text(yaml.safe_dump(config, sort_keys=False))
+    runs = service.run_service(svc_systems, encoded, manifest=manifest,
+                               url=f"http://127.0.0.1:{service.manifest_port(manifest)}", max_tokens=args.max_tokens,
+                               concurrency=args.concurrency, log_path=out / "serve.log", bar=bar)
+    systems.compare_service(runs)
+    phases["service_s"] = time.monotonic() - started
+    return [r.as_dict() for r in runs]
 
 
 def _describe(workload: workloads.Workload) -> dict:

@@ -94,6 +94,7 @@ class LibraryRun:
     status: str = OK
     reason: str = ""  # why it cannot run, or why it failed
     note: str = ""  # how it ran, when that differs from the defaults
+    startup_s: float | None = None  # vLLM: building the engine (load, compile, warm-up), not counted in tok/s
     prompts: list[PromptRun] = field(default_factory=list)
     target_steps: int = 0  # target forward passes (specserve only)
     num_drafts: int = 0
