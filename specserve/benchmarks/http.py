@@ -117,11 +117,13 @@ def start_server(manifest: str, log_path: str | None = None) -> subprocess.Popen
 
 
 def stop_server(server: subprocess.Popen) -> None:
-    os.killpg(server.pid, signal.SIGINT)
     try:
+        os.killpg(server.pid, signal.SIGINT)  # `serve run` shuts the app and its local Ray cluster down
         server.wait(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(server.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it had already exited
+        pass
 
 
 def main(argv=None) -> int:

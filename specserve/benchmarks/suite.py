@@ -172,8 +172,8 @@ def _service_mode(args, svc_systems, encoded, out, bar, phases) -> list[dict]:
         import yaml
 
         manifest = str(out / "serve-config.yaml")
-        config = service.serve_config(_local_dir(args.target) or args.target, _local_dir(args.draft) or args.draft,
-                                      args.dtype, args.port)
+        # registry names as they are: the pools resolve them, with the registry's EOS ids
+        config = service.serve_config(args.target, args.draft, args.dtype, args.port)
         Path(manifest).write_text(yaml.safe_dump(config, sort_keys=False))
     runs = service.run_service(svc_systems, encoded, manifest=manifest,
                                url=f"http://127.0.0.1:{service.manifest_port(manifest)}", max_tokens=args.max_tokens,
