@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from . import models
 from .models import ModelError, UnknownModelError
-from .protocol import SpecserveError
+from .protocol import SpecserveError, TreeSpec
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # a model error: download, integrity, conversion ...
@@ -61,18 +61,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .decoder import SpeculativeDecoder
     from .loading import set_torch_threads
     from .protocol import SamplingParams
-    from .request_state import validate_speculation
+    from .request_state import DRAFT_METHODS, validate_speculation
 
     method = args.method or ("draft" if args.draft else "none")
     validate_speculation(method, args.k)  # fail before loading gigabytes
-    if method == "draft" and not args.draft:
-        raise SpecserveError("--method draft needs --draft MODEL (or use --method none)")
+    tree = _tree_spec(args)
+    if method in DRAFT_METHODS and not args.draft:
+        raise SpecserveError(f"--method {method} needs --draft MODEL (or use --method none)")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
     set_torch_threads(args.threads)
     decoder = SpeculativeDecoder.from_pretrained(
         args.target, draft=args.draft if method != "none" else None, dtype=args.dtype, device=args.device,
-        method=method, k=args.k, draft_min_confidence=args.draft_confidence)
+        method=method, k=args.k, tree=tree, draft_min_confidence=args.draft_confidence)
     prompts = args.prompt
     if args.chat:  # the template writes the special tokens itself
         tok = decoder.tokenizer
@@ -96,12 +97,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(o.text)
         print(f"--- finish_reason={o.finish_reason} tokens={len(o.token_ids)}")
     s = report.stats
-    print(f"method={method} k={args.k if method != 'none' else 0} dtype={args.dtype}")
+    shape = {"none": "", "draft": f" k={args.k}", "tree": f" tree={tree}"}[method]
+    print(f"method={method}{shape} dtype={args.dtype}")
     print(f"tokens/s:                 {report.tokens_per_second:.2f}  ({s.generated_tokens} tokens in {report.seconds:.2f} s)")
     print(f"mean accepted length:     {s.mean_accepted_length:.2f}  (tokens per target step, bonus included)")
     print(f"acceptance rate:          {s.acceptance_rate:.3f}  ({s.num_accepted_tokens}/{s.num_draft_tokens} draft tokens)")
     print(f"target forward passes:    {decoder.verifier.worker.forward_passes}")
     return EXIT_OK
+
+
+def _tree_spec(args: argparse.Namespace):
+    import json
+
+    shape = None
+    if args.tree_shape:
+        try:
+            shape = tuple(tuple(int(r) for r in path) for path in json.loads(args.tree_shape))
+        except (ValueError, TypeError):
+            raise SpecserveError("--tree-shape takes JSON paths of child ranks, e.g. '[[0], [1], [0, 0]]'") from None
+    return TreeSpec(budget=args.tree_budget, depth=args.tree_depth, width=args.tree_width,
+                    min_score=args.tree_min_score, shape=shape)
 
 
 def add_generate_parser(subparsers) -> None:
@@ -113,8 +128,20 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--prompt", action="append", required=True,
                    help="prompt text; repeat to decode several prompts as one batch")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the target's chat template")
-    p.add_argument("--method", choices=["draft", "none"], help="default: draft when --draft is given")
+    p.add_argument("--method", choices=["draft", "tree", "none"], help="default: draft when --draft is given")
     p.add_argument("-k", "--k", type=int, default=4, help="draft tokens per round (default 4)")
+    defaults = TreeSpec()
+    p.add_argument("--tree-budget", type=int, default=defaults.budget,
+                   help=f"--method tree: most draft nodes per round (default {defaults.budget})")
+    p.add_argument("--tree-depth", type=int, default=defaults.depth,
+                   help=f"--method tree: most levels per round (default {defaults.depth})")
+    p.add_argument("--tree-width", type=int, default=defaults.width,
+                   help=f"--method tree: new nodes per level (default {defaults.width})")
+    p.add_argument("--tree-min-score", type=float, default=defaults.min_score,
+                   help="--method tree: skip nodes whose path probability under the draft is lower "
+                        f"(default {defaults.min_score})")
+    p.add_argument("--tree-shape", help="--method tree: a static shape, JSON paths of child ranks, "
+                                        "e.g. '[[0], [1], [0, 0]]' (default: dynamic)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)

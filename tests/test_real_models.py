@@ -103,3 +103,37 @@ def test_cli_generate_prints_text_and_statistics(smol):
     assert "Paris" in out["text"]
     assert result["tokens_per_second"] > 0
     assert result["stats"]["acceptance_rate"] > 0.9 and result["stats"]["mean_accepted_length"] > 2
+
+
+@pytest.mark.parametrize("tree", [dict(budget=16, depth=6, width=4, min_score=0.05),
+                                  dict(shape=[[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1], [0, 0, 0, 0]])],
+                         ids=["dynamic", "static"])
+def test_greedy_trees_equal_transformers_with_real_weights(smol, tree):
+    from specserve.decoder import SpeculativeDecoder
+    from specserve.engine.torch_worker import TorchWorker
+    from specserve.proposers.draft_model import DraftModelProposer
+    from specserve.protocol import SamplingParams, TreeSpec
+
+    target = smol.target.model
+    decoder = SpeculativeDecoder(smol.verifier(), DraftModelProposer(TorchWorker(first_layers(target, 27))),
+                                 method="tree", tree=TreeSpec(**tree), tokenizer=smol.tokenizer,
+                                 eos_token_ids=smol.eos_token_ids)
+    prompts = [chat_prompt(smol.tokenizer, q) for q in QUESTIONS]
+    outs = decoder.generate(prompts, SamplingParams(max_tokens=40))
+    [eos] = sorted(smol.eos_token_ids)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(target, prompt, 40, eos_token_id=eos)
+    stats = decoder.last_report.stats
+    assert stats.mean_accepted_length > 1.5 and sum(stats.num_accepted_tokens_per_rank[1:]) > 0
+
+
+def test_cli_generate_with_a_tree_and_a_bad_shape(smol):
+    base = [sys.executable, "-m", "specserve.cli", "generate", "--target", SMOL, "--draft", SMOL,
+            "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "16", "--dtype", "float32",
+            "--method", "tree"]
+    done = subprocess.run(base + ["--tree-budget", "8", "--tree-depth", "4", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["stats"]["mean_accepted_length"] > 2
+    bad = subprocess.run(base + ["--tree-shape", "[[1]]"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "elder sibling" in bad.stderr
