@@ -7,8 +7,10 @@ one `vllm_runner.py` subprocess per configuration, JSON in and out.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import threading
@@ -178,7 +180,6 @@ def run_vllm(systems: list[System], encoded: Encoded, *, target_dir: str | None,
 
 def _vllm_subprocess(system, encoded, request, python, log_path, bar, timeout_s) -> list[LibraryRun]:
     n_prompts = sum(len(ids) for _, ids in encoded)
-    done = 0
     with tempfile.TemporaryDirectory(prefix="specserve-vllm-") as tmp:
         request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request_path.write_text(json.dumps(request))
@@ -188,22 +189,33 @@ def _vllm_subprocess(system, encoded, request, python, log_path, bar, timeout_s)
             proc = subprocess.Popen([python, "-P", str(RUNNER), str(request_path), str(result_path)],
                                     stdout=log, stderr=subprocess.PIPE, text=True, env=_vllm_env(python),
                                     start_new_session=True)
-            timer = threading.Timer(timeout_s, proc.kill)
-            timer.start()
-            assert proc.stderr is not None
-            for line in proc.stderr:  # until the process closes its stderr
-                log.write(line)
-                if line.startswith("vllm_runner: prompt done"):
-                    done += 1
-                    bar.update(1)
-            proc.wait()
-            timer.cancel()
+            done, timed_out = 0, False
+
+            def pump() -> None:  # the runner's stderr: vLLM's log, and a line per finished prompt
+                nonlocal done
+                for line in proc.stderr:
+                    log.write(line)
+                    if line.startswith("vllm_runner: prompt done"):
+                        done += 1
+                        bar.update(1)
+
+            reader = threading.Thread(target=pump, daemon=True)
+            reader.start()
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                proc.kill()
+                proc.wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # vLLM's engine processes, if any outlived the runner
+            reader.join(timeout=30)
         bar.update(n_prompts - done)
         try:
             result = json.loads(result_path.read_text())
         except (OSError, ValueError):
-            result = {"status": "failed", "error": f"the vLLM runner exited with code {proc.returncode} and no result "
-                                                   f"(log: {log_path})"}
+            why = f"timed out after {timeout_s:.0f} s" if timed_out else f"exited with code {proc.returncode}"
+            result = {"status": "failed", "error": f"the vLLM runner {why} and left no result (log: {log_path})"}
     if result["status"] != "ok":
         return _not_run(system, encoded, CANNOT_RUN, f"vLLM failed: {result['error'].splitlines()[0][:300]}")
     runs = []

@@ -113,7 +113,9 @@ def _sec(value: float | None) -> str:
 
 
 def _machine(machine: dict) -> list[str]:
-    labels = [("cpu", "CPU"), ("cores", "cores"), ("memory_gib", "memory (GiB)"), ("platform", "OS"),
+    labels = [("cpu", "CPU"), ("cores", "cores"), ("memory_gib", "memory (GiB)"),
+              ("load_average_at_start", "load average (1 min) at the start"),
+              ("load_average_at_end", "load average (1 min) at the end"), ("platform", "OS"),
               ("python", "Python"), ("torch", "torch"), ("transformers", "transformers"), ("ray", "ray"),
               ("vllm", "vLLM (own venv)"), ("dtype", "dtype"), ("torch_threads", "torch threads"),
               ("git_commit", "specserve commit")]

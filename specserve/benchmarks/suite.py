@@ -33,7 +33,7 @@ from specserve.benchmarks.plots import write_plots
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 FULL = {"prompts": 8, "max_tokens": 128, "concurrency": [1, 2, 4, 8]}
-QUICK = {"prompts": 1, "max_tokens": 16, "concurrency": [1, 2]}
+QUICK = {"prompts": 1, "max_tokens": 8, "concurrency": [1, 2]}  # and service mode on the first workload only
 FULL_COMMAND = "specserve bench --out bench-results/full --docs docs"
 
 
@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: 1 prompt per workload, 16 tokens, concurrency 1 2, vLLM without torch.compile")
+                   help="smoke run (under 5 minutes on 2 cores): 1 prompt per workload, 8 tokens, vLLM without "
+                        "torch.compile, service mode on the first workload at concurrency 1 2")
     p.add_argument("--target", default=DEFAULT_TARGET, help="registry name or local directory")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model; 'none' for no draft")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
@@ -106,7 +107,8 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
     svc_systems = selected(systems.specserve_systems(), args.systems) if "service" in args.modes else []
     lib_workloads = workloads.load(args.workloads, args.prompts, args.seed)
     svc_prompts = max([args.prompts, *args.concurrency])
-    svc_workloads = workloads.load(args.workloads, svc_prompts, args.seed) if svc_systems else []
+    svc_names = args.workloads[:1] if args.quick else args.workloads
+    svc_workloads = workloads.load(svc_names, svc_prompts, args.seed) if svc_systems else []
     tokenizer = models.load_tokenizer(args.target)
     lib_encoded = [(w, w.encode(tokenizer)) for w in lib_workloads]
     svc_encoded = [(w, w.encode(tokenizer)) for w in svc_workloads]
@@ -119,6 +121,7 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
     lib_runs = _library_mode(args, lib_systems, lib_encoded, tokenizer, machine, out, bar, phases)
     svc_runs = _service_mode(args, svc_systems, svc_encoded, out, bar, phases)
     bar.close()
+    machine["load_average_at_end"] = round(os.getloadavg()[0], 2)
     notes = []
     if svc_systems:
         notes.append("Service mode measures specserve only: vLLM's OpenAI server and transformers have no "
@@ -266,7 +269,9 @@ def machine_info(args: argparse.Namespace) -> dict:
                                 timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.TimeoutExpired):
         commit = "unknown"
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory, "platform": platform.platform(),
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory,
+            "load_average_at_start": round(os.getloadavg()[0], 2),  # other work on the machine skews timings
+            "platform": platform.platform(),
             "python": platform.python_version(), "torch": _version("torch"), "transformers": _version("transformers"),
             "ray": _version("ray"), "vllm": "not used", "dtype": args.dtype, "git_commit": commit}
 
