@@ -145,13 +145,14 @@ def _preload(python: str) -> str:
 
 
 def run_vllm(systems: list[System], encoded: Encoded, *, target_dir: str | None, draft_dir: str | None,
-             dtype: str, max_tokens: int, stop_token_ids: list[int], python: str | None, eager: bool,
+             dtype: str, max_tokens: int, stop_token_ids: list[int], python: str | None, fast_start: bool,
              log_path: Path, bar, timeout_s: float = 3600) -> list[LibraryRun]:
-    """Each vLLM configuration in a fresh subprocess of the vLLM environment."""
-    runs: list[LibraryRun] = []
+    """vLLM configurations in subprocesses of the vLLM environment: one fresh process each, as vLLM
+    runs by default; or with ``fast_start`` (--quick) all in one process, eager, engine in process."""
+    results: dict[str, LibraryRun | list[LibraryRun]] = {}
     n_prompts = sum(len(ids) for _, ids in encoded)
+    configs = []
     for system in systems:
-        bar.set_description(system.name)
         reason = None
         if python is None:
             reason = "no vLLM environment (run `make vllm-env`, or pass --vllm-python)"
@@ -161,30 +162,31 @@ def run_vllm(systems: list[System], encoded: Encoded, *, target_dir: str | None,
             reason = "needs a draft model as a local directory (--draft)"
         if reason:
             bar.update(n_prompts)
-            runs += _not_run(system, encoded, CANNOT_RUN, reason)
+            results[system.name] = _not_run(system, encoded, CANNOT_RUN, reason)
             continue
         spec = None
         if system.method != "none":
             spec = {key: (draft_dir if value == "draft" else value) for key, value in system.options.items()}
-        longest = max(len(ids) for _, prompt_ids in encoded for ids in prompt_ids)
-        request = {"model": target_dir, "dtype": dtype, "max_tokens": max_tokens, "stop_token_ids": stop_token_ids,
-                   "speculative_config": spec, "enforce_eager": eager,
-                   "max_model_len": max(512, longest + max_tokens + 64),
-                   "prompts": {w.name: ids for w, ids in encoded}}
-        runs += _vllm_subprocess(system, encoded, request, python, log_path, bar, timeout_s)
-        if eager:
-            for run in runs[-len(encoded):]:
-                run.note = "vLLM in eager mode (enforce_eager: no torch.compile)"
-    return runs
+        configs.append((system, {"name": system.name, "speculative_config": spec}))
+    longest = max(len(ids) for _, prompt_ids in encoded for ids in prompt_ids)
+    request = {"model": target_dir, "dtype": dtype, "max_tokens": max_tokens, "stop_token_ids": stop_token_ids,
+               "max_model_len": max(512, longest + max_tokens + 64), "enforce_eager": fast_start,
+               "in_process_engine": fast_start, "prompts": {w.name: ids for w, ids in encoded}}
+    for group in ([configs] if fast_start else [[c] for c in configs]) if configs else []:
+        bar.set_description(" + ".join(system.name for system, _ in group))
+        answer = _vllm_subprocess({**request, "configs": [c for _, c in group]}, python, log_path, bar,
+                                  n_prompts * len(group), timeout_s)
+        for system, _ in group:
+            results[system.name] = _vllm_runs(system, encoded, answer, fast_start)
+    return [run for system in systems for run in results[system.name]]
 
 
-def _vllm_subprocess(system, encoded, request, python, log_path, bar, timeout_s) -> list[LibraryRun]:
-    n_prompts = sum(len(ids) for _, ids in encoded)
+def _vllm_subprocess(request: dict, python: str, log_path: Path, bar, n_prompts: int, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="specserve-vllm-") as tmp:
         request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request_path.write_text(json.dumps(request))
         with open(log_path, "a") as log:
-            log.write(f"\n===== {system.name} =====\n")
+            log.write(f"\n===== {', '.join(c['name'] for c in request['configs'])} =====\n")
             log.flush()
             proc = subprocess.Popen([python, "-P", str(RUNNER), str(request_path), str(result_path)],
                                     stdout=log, stderr=subprocess.PIPE, text=True, env=_vllm_env(python),
@@ -212,12 +214,17 @@ def _vllm_subprocess(system, encoded, request, python, log_path, bar, timeout_s)
             reader.join(timeout=30)
         bar.update(n_prompts - done)
         try:
-            result = json.loads(result_path.read_text())
+            return json.loads(result_path.read_text())
         except (OSError, ValueError):
             why = f"timed out after {timeout_s:.0f} s" if timed_out else f"exited with code {proc.returncode}"
-            result = {"status": "failed", "error": f"the vLLM runner {why} and left no result (log: {log_path})"}
-    if result["status"] != "ok":
-        return _not_run(system, encoded, CANNOT_RUN, f"vLLM failed: {result['error'].splitlines()[0][:300]}")
+            return {"status": "failed", "error": f"the vLLM runner {why} and left no result (log: {log_path})"}
+
+
+def _vllm_runs(system: System, encoded: Encoded, answer: dict, fast_start: bool) -> list[LibraryRun]:
+    result = answer["configs"].get(system.name) if answer["status"] == "ok" else answer
+    if result is None or result["status"] != "ok":
+        error = (result or {}).get("error", "no result")
+        return _not_run(system, encoded, CANNOT_RUN, f"vLLM failed: {error.splitlines()[0][:300]}")
     runs = []
     for workload, _ in encoded:
         run = LibraryRun(system.name, system.engine, system.method, workload.name)
@@ -228,5 +235,7 @@ def _vllm_subprocess(system, encoded, request, python, log_path, bar, timeout_s)
         run.num_draft_tokens = counters.get("num_draft_tokens", 0)
         run.num_accepted_tokens = counters.get("num_accepted_tokens", 0)
         run.startup_s = result.get("load_s")
+        if fast_start:
+            run.note = "vLLM fast start (--quick): eager (no torch.compile), engine in process"
         runs.append(run)
     return runs

@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="smoke run (under 5 minutes on 2 cores): 1 prompt per workload, 8 tokens, vLLM without "
-                        "torch.compile, service mode on the first workload at concurrency 1 2")
+                   help="smoke run (under 5 minutes on 2 cores): 1 prompt per workload, 8 tokens, vLLM fast "
+                        "start, service mode on the first workload at concurrency 1 2")
     p.add_argument("--target", default=DEFAULT_TARGET, help="registry name or local directory")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model; 'none' for no draft")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manifest", help="service mode: serve this config instead of a generated one for the pair")
     p.add_argument("--port", type=int, default=8311, help="port of the generated service config (default 8311)")
     p.add_argument("--vllm-python", help="python of the vLLM environment (default .venv-vllm/bin/python)")
-    p.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (default with --quick)")
+    p.add_argument("--vllm-fast-start", action="store_true",
+                   help="vLLM without torch.compile, engine in process, every configuration in one process "
+                        "(default with --quick; measurements use vLLM's defaults, one process each)")
     p.add_argument("--threads", type=int, help="torch threads in library mode (default: all cores)")
     p.add_argument("--out", help="output directory (default bench-results/<time>)")
     p.add_argument("--docs", help="also write DOCS/BENCHMARKS.md and DOCS/bench/*.png")
@@ -160,7 +162,7 @@ def _library_mode(args, lib_systems, encoded, tokenizer, machine, out, bar, phas
         runs += library.run_vllm(
             vllm, encoded, target_dir=_local_dir(args.target), draft_dir=_local_dir(args.draft),
             dtype=args.dtype, max_tokens=args.max_tokens, stop_token_ids=sorted(_eos_ids(args.target, tokenizer)),
-            python=python, eager=args.vllm_eager or args.quick, log_path=out / "vllm.log", bar=bar)
+            python=python, fast_start=args.vllm_fast_start or args.quick, log_path=out / "vllm.log", bar=bar)
         phases["library_vllm_s"] = time.monotonic() - started
     systems.compare(runs)
     return [r.as_dict() for r in runs]
