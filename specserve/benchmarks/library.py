@@ -2,7 +2,7 @@
 
 specserve and transformers run in this process on the same loaded weights (transformers runs
 the target's and draft's own Hugging Face modules). vLLM runs in its own virtual environment:
-one `vllm_runner.py` subprocess per configuration, JSON in and out.
+`vllm_runner.py` subprocesses, JSON in and out, one per configuration (all in one with --quick).
 """
 
 from __future__ import annotations
