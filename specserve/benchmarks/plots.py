@@ -54,7 +54,8 @@ def _speedup(runs: list[dict], path: Path) -> str:
     ax.set_xticks(range(len(systems)))
     ax.set_xticklabels(systems, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("speedup over specserve none (tok/s ratio)")
-    ax.set_title("Library mode, batch 1 (✗ = output differs from target-only)")
+    ax.set_title("Library mode, batch 1: speedup over specserve none (✗ = output differs from target-only)",
+                 fontsize=10)
     ax.legend(title="workload")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -81,7 +82,7 @@ def _vs_concurrency(runs: list[dict], path: Path, metrics: list[tuple[str, str]]
             ax.set_xticklabels([str(c) for c in levels])
             ax.set_xlabel("concurrent streams")
             ax.set_ylabel(label)
-            ax.set_title(f"{workload}")
+            ax.set_title(f"{workload}: {label.split(' (')[0]}")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
     fig.tight_layout()
