@@ -19,7 +19,7 @@ K = 4  # draft tokens per round for every chain method, specserve's and its peer
 SPECSERVE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("none", {}),
     ("draft", {"k": K}),
-    ("tree", {}),  # the decoder's default tree; e.g. ("tree", {"tree": {"budget": 16}}) for a variant
+    ("tree", {}),  # the decoder's default tree; a variant: ("tree", {"tree": {"budget": 16, "depth": 6}})
 ]
 
 OK, CANNOT_RUN, FAILED = "ok", "cannot run", "failed"
