@@ -159,9 +159,9 @@ class TreeSpec:
     """
 
     budget: int = 16
-    depth: int = 8
+    depth: int = 12
     width: int = 4
-    min_score: float = 0.05
+    min_score: float = 0.2
     shape: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
