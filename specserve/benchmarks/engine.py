@@ -82,20 +82,17 @@ def run_hf(name, model, prompt_ids, max_tokens, eos, **generate_kwargs) -> Syste
     return result
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model pair and the prompts, shared by the library-mode benchmark scripts."""
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--draft", default=DEFAULT_DRAFT)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prompts", type=int, default=8, help="first N HumanEval problems")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("-k", "--k", type=int, nargs="+", default=[4], help="draft lengths to measure")
-    parser.add_argument("--confidence", type=float, nargs="+", default=[0.5],
-                        help="draft early-stop thresholds to measure (0 = always draft k)")
-    parser.add_argument("--skip-hf", action="store_true", help="skip the transformers peers")
-    parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args(argv)
 
+
+def load_for_benchmark(args: argparse.Namespace):
+    """(pair, decoder, prompt ids) for `add_pair_arguments`' arguments, warmed up; prints the setup."""
     import torch
 
     from specserve.decoder import SpeculativeDecoder
@@ -108,9 +105,24 @@ def main(argv=None) -> int:
     prompt_ids = [pair.tokenizer.encode(p) for p in humaneval_prompts(args.prompts)]
     print(f"# {len(prompt_ids)} HumanEval prompts, {args.max_tokens} new tokens, greedy, batch 1, "
           f"{args.dtype}, torch threads {torch.get_num_threads()}", flush=True)
-
     # warm-up: first calls pay for allocator growth and kernel selection
     decoder.generate([prompt_ids[0][:16]], method="draft", k=2)
+    return pair, decoder, prompt_ids
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_pair_arguments(parser)
+    parser.add_argument("-k", "--k", type=int, nargs="+", default=[4], help="draft lengths to measure")
+    parser.add_argument("--confidence", type=float, nargs="+", default=[0.5],
+                        help="draft early-stop thresholds to measure (0 = always draft k)")
+    parser.add_argument("--skip-hf", action="store_true", help="skip the transformers peers")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    pair, decoder, prompt_ids = load_for_benchmark(args)
 
     header = f"{'system':32} {'tok/s':>7} {'speedup':>8} {'acc.len':>8} {'acc.rate':>9} {'same output':>12}"
     print(header + "\n" + "-" * len(header), flush=True)

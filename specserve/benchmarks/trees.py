@@ -19,7 +19,7 @@ import platform
 import sys
 from dataclasses import asdict
 
-from specserve.benchmarks.engine import DEFAULT_DRAFT, DEFAULT_TARGET, humaneval_prompts
+from specserve.benchmarks.engine import add_pair_arguments, load_for_benchmark
 
 
 def run(decoder, prompt_ids, max_tokens: int, method: str, k: int, tree) -> dict:
@@ -41,11 +41,7 @@ def run(decoder, prompt_ids, max_tokens: int, method: str, k: int, tree) -> dict
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--draft", default=DEFAULT_DRAFT)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--prompts", type=int, default=8, help="first N HumanEval problems")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    add_pair_arguments(parser)
     parser.add_argument("-k", "--k", type=int, default=4, help="the chain's draft length")
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32], help="tree node budgets")
     parser.add_argument("--depth", type=int, default=None, help="tree depth (default: TreeSpec's)")
@@ -56,22 +52,13 @@ def main(argv=None) -> int:
 
     import torch
 
-    from specserve.decoder import SpeculativeDecoder
-    from specserve.loading import load_pair, set_torch_threads
     from specserve.protocol import TreeSpec
     from specserve.request_state import SpecStats
     from specserve.trees import rank_acceptance, shape_from_acceptance
 
-    set_torch_threads()
-    pair = load_pair(args.target, args.draft, dtype=args.dtype)
-    decoder = SpeculativeDecoder(pair.verifier(), pair.proposer(), tokenizer=pair.tokenizer,
-                                 eos_token_ids=pair.eos_token_ids, max_context=pair.max_context)
-    prompt_ids = [pair.tokenizer.encode(p) for p in humaneval_prompts(args.prompts)]
+    pair, decoder, prompt_ids = load_for_benchmark(args)
     tuning = {name: value for name, value in (("depth", args.depth), ("width", args.width),
                                               ("min_score", args.min_score)) if value is not None}
-    print(f"# {len(prompt_ids)} HumanEval prompts, {args.max_tokens} new tokens, greedy, batch 1, "
-          f"{args.dtype}, torch threads {torch.get_num_threads()}", flush=True)
-    decoder.generate([prompt_ids[0][:16]], method="tree", k=2)  # warm-up
 
     header = (f"{'system':44} {'tok/s':>6} {'speedup':>8} {'acc.len':>8} {'vs chain':>9} "
               f"{'nodes/rnd':>10} {'draft fwd/rnd':>14} {'same output':>12}")
