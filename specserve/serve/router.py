@@ -13,6 +13,7 @@ Failure handling, all exact:
 
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
@@ -177,7 +178,10 @@ class Router:
 
         for pool in (self.target, self.draft):
             if pool is not None:
-                task = asyncio.get_running_loop().create_task(release(pool))
+                # A fresh context: calls made in the request's own context are its children, and
+                # Serve cancels children still waiting for a replica when the request is
+                # cancelled, which is exactly when a disconnect releases.
+                task = asyncio.get_running_loop().create_task(release(pool), context=contextvars.Context())
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
 
