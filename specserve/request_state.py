@@ -15,7 +15,7 @@ from specserve.protocol import (
     MAX_K, Proposal, ProposeRequest, SamplingParams, SpecserveError, TokenTree, TreeSpec, VerifyRequest,
     VerifyResult,
 )
-from specserve.trees import count_ranks
+from specserve.trees import add_counts, count_ranks
 
 METHODS = ("none", "draft", "tree")
 DRAFT_METHODS = ("draft", "tree")  # the methods that need a draft model
@@ -74,14 +74,6 @@ class SpecStats:
             "round_trip_overhead_ms_per_round": round(
                 1000 * self.round_trip_overhead_s / self.target_steps if self.target_steps else 0.0, 3),
         }
-
-
-def add_counts(into: list[int], counts) -> None:
-    """into += counts, elementwise, growing `into` as needed."""
-    for i, n in enumerate(counts):
-        if i == len(into):
-            into.append(0)
-        into[i] += n
 
 
 def validate_speculation(method: str, k: int) -> None:

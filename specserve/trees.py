@@ -185,13 +185,15 @@ def count_ranks(tree: TokenTree, accepted: Sequence[int]) -> tuple[list[int], li
     reached_counts: list[int] = []
     for parent in [-1, *accepted]:
         for node in children.get(parent, ()):
-            _bump(reached_counts, ranks[node])
+            add_counts(reached_counts, [0] * ranks[node] + [1])
     for node in accepted:
-        _bump(accepted_counts, ranks[node])
+        add_counts(accepted_counts, [0] * ranks[node] + [1])
     return accepted_counts, reached_counts
 
 
-def _bump(counts: list[int], index: int) -> None:
-    while len(counts) <= index:
-        counts.append(0)
-    counts[index] += 1
+def add_counts(into: list[int], counts: Sequence[int]) -> None:
+    """into += counts, elementwise, growing `into` as needed."""
+    for i, n in enumerate(counts):
+        if i == len(into):
+            into.append(0)
+        into[i] += n
