@@ -54,7 +54,7 @@ bench-http: models
 bench-quick: models
 	$(VENV)/bin/specserve bench --quick
 
-# The full run (about 1.5 hours on 2 cores); writes docs/BENCHMARKS.md and docs/bench/*.png.
+# The full run (about 100 minutes on 2 cores); writes docs/BENCHMARKS.md and docs/bench/*.png.
 bench-full: models
 	$(MAKE) vllm-env || echo "vllm-env failed: the report will say why vLLM could not run"
 	$(VENV)/bin/specserve bench --out bench-results/full --docs docs

@@ -56,6 +56,14 @@ def test_bench_library_mode_end_to_end(tiny_pair, tmp_path, monkeypatch):
                                                         ("no-such-method", {})])
     monkeypatch.setattr(library, "run_specserve", _wrong_when_k2(library.run_specserve))
     out, docs = tmp_path / "out", tmp_path / "docs"
+    on_disk_before_service = {}
+    real_service_mode = suite._service_mode
+
+    def service_mode_after_checkpoint(*args):
+        on_disk_before_service.update(json.loads((out / "results.json").read_text()))
+        return real_service_mode(*args)
+
+    monkeypatch.setattr(suite, "_service_mode", service_mode_after_checkpoint)
     code = suite.main(["--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["draft"]),
                        "--dtype", "float32", "--prompts", "2", "--max-tokens", "6", "--modes", "library",
                        "--vllm-python", str(tmp_path / "no-vllm" / "python"), "--out", str(out),
@@ -63,6 +71,10 @@ def test_bench_library_mode_end_to_end(tiny_pair, tmp_path, monkeypatch):
     assert code == 0
     doc = json.loads((out / "results.json").read_text())
     md = (out / "results.md").read_text()
+    # library mode was saved before the next phase began, so an interrupted run keeps it
+    assert on_disk_before_service["partial"] and not doc["partial"]
+    assert len(on_disk_before_service["library"]) == len(doc["library"])
+    assert "Partial results" not in md
 
     names = {r["system"] for r in doc["library"]}
     assert {"specserve none", "specserve draft k=4", "specserve draft k=2", "transformers target only",
@@ -144,9 +156,11 @@ def test_bench_service_mode_on_smollm2(tmp_path, monkeypatch):
     out = tmp_path / "out"
     assert suite.main(["--target", SMOL, "--draft", SMOL, "--dtype", "float32", "--modes", "service",
                        "--workloads", "code", "--prompts", "1", "--max-tokens", "4", "--concurrency", "1", "2",
+                       "--service-requests", "2",
                        "--systems", "specserve none", "specserve draft*", "--port", "8391",
                        "--out", str(out), "--no-progress"]) == 0
     doc = json.loads((out / "results.json").read_text())
+    assert doc["setup"]["service_max_tokens"] == 4  # capped by --max-tokens
     runs = {(r["system"], r["concurrency"]): r for r in doc["service"]}
     assert set(runs) == {(s, c) for s in ("specserve none", "specserve draft k=4") for c in (1, 2)}
     for run in runs.values():

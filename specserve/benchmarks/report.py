@@ -158,12 +158,23 @@ def _flags(doc: dict) -> list[str]:
     return lines
 
 
+def _service_load(setup: dict) -> str:
+    if "service_requests" in setup:
+        return (f"at concurrency c every workload sends max({setup['service_requests']}, c) requests of at most "
+                f"{setup['service_max_tokens']} new tokens (the library prompts first, then more from the same "
+                "seeded order)")
+    return f"at each level every workload sends {setup['service_prompts']} requests"  # an older results.json
+
+
 def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmarks") -> str:
     setup, machine = doc["setup"], doc["machine"]
     out = [f"# {title}", ""]
     if setup.get("quick"):
         out += ["> A `--quick` smoke run: one prompt per workload and a few tokens. Its numbers show that every",
                 "> system runs; they are not a measurement. See the full-run command below.", ""]
+    if doc.get("partial"):
+        out += ["> **Partial results**: the run was interrupted or is still going; phases not yet finished are "
+                "missing below.", ""]
     out += [
         f"Measured by `{doc['command']}` on {doc['started'][:16].replace('T', ' ')} UTC "
         f"({doc['duration_s'] / 60:.1f} minutes). specserve and its peers ran one after another on this "
@@ -180,9 +191,7 @@ def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmar
                    + ", ".join(f"`{p}`" for p in w["prompts"]))
     if setup.get("service_workloads"):
         out.append(f"- service mode: `serve run` of {setup.get('manifest') or 'a config generated for the pair'}, "
-                   f"concurrency {', '.join(map(str, setup['concurrency']))}; at each level every workload sends "
-                   f"{setup['service_prompts']} requests (the library prompts first, then more from the same "
-                   "seeded order)")
+                   f"concurrency {', '.join(map(str, setup['concurrency']))}; {_service_load(setup)}")
     out.append("")
     library = doc.get("library", [])
     if library:

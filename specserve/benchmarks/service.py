@@ -55,7 +55,9 @@ def _log_tail(path: Path, lines: int = 5) -> str:
 
 
 def run_service(systems: list[System], encoded: Encoded, *, manifest: str, url: str, max_tokens: int,
-                concurrency: list[int], log_path: Path, bar, startup_timeout_s: float = 900) -> list[ServiceRun]:
+                requests: int, concurrency: list[int], log_path: Path, bar,
+                startup_timeout_s: float = 900) -> list[ServiceRun]:
+    """At concurrency c each workload sends its first max(requests, c) prompts over c streams."""
     import httpx
 
     cells = [(c, w, ids, s) for c in concurrency for w, ids in encoded for s in systems]
@@ -85,7 +87,7 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str, url: 
                 run.status, run.reason = CANNOT_RUN, refused[system.name]
             else:
                 try:
-                    measure(run, url, model, prompt_ids, max_tokens, speculation(system))
+                    measure(run, url, model, prompt_ids[:max(requests, c)], max_tokens, speculation(system))
                 except Exception as exc:
                     run.status, run.reason = FAILED, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             bar.update(1)

@@ -8,7 +8,8 @@ models, greedy, in one run on this machine:
 - library mode: specserve's methods, transformers (target only, assisted generation, prompt
   lookup) and vLLM's CPU build (none, draft_model, ngram) in its own venv, batch 1;
 - service mode: specserve through `serve run` and HTTP, at each concurrency.
-Writes results.json, results.md and PNG plots to --out. A system that cannot run says why.
+Writes results.json, results.md and PNG plots to --out, after each phase too (marked partial until
+the run ends). A system that cannot run says why.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ from specserve.benchmarks.plots import write_plots
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-FULL = {"prompts": 8, "max_tokens": 128, "concurrency": [1, 2, 4, 8]}
-QUICK = {"prompts": 1, "max_tokens": 8, "concurrency": [1, 2]}  # and service mode on the first workload only
+# The full run fits in about 100 minutes on 2 cores. Service mode uses shorter answers: a throughput
+# or latency point needs steady streams, not long ones, and it is the longest phase.
+FULL = {"prompts": 8, "max_tokens": 128, "concurrency": [1, 2, 4, 8], "service_requests": 4, "service_max_tokens": 64}
+QUICK = {"prompts": 1, "max_tokens": 8, "concurrency": [1, 2], "service_requests": 2,
+         "service_max_tokens": 8}  # and service mode on the first workload only
 FULL_COMMAND = "specserve bench --out bench-results/full --docs docs"
 
 
@@ -56,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(specserve none always runs: it is the baseline)")
     p.add_argument("--concurrency", type=int, nargs="+",
                    help=f"service mode streams (default {' '.join(map(str, FULL['concurrency']))})")
+    p.add_argument("--service-requests", type=int,
+                   help=f"service mode: each workload sends max(N, c) requests at concurrency c "
+                        f"(default N = {FULL['service_requests']}, at most --prompts)")
+    p.add_argument("--service-max-tokens", type=int,
+                   help=f"service mode: new tokens per request (default {FULL['service_max_tokens']}, at most "
+                        "--max-tokens)")
     p.add_argument("--manifest", help="service mode: serve this config instead of a generated one for the pair")
     p.add_argument("--port", type=int, default=8311, help="port of the generated service config (default 8311)")
     p.add_argument("--vllm-python", help="python of the vLLM environment (default .venv-vllm/bin/python)")
@@ -78,9 +88,20 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) if args.out else Path(args.render).parent
         write_outputs(doc, out, args.docs)
         return 0
-    for key, value in (QUICK if args.quick else FULL).items():
+    defaults = QUICK if args.quick else FULL
+    for key in ("prompts", "max_tokens", "concurrency"):
         if getattr(args, key) is None:
-            setattr(args, key, value)
+            setattr(args, key, defaults[key])
+    # service mode never asks for more requests or longer answers than library mode
+    if args.service_requests is None:
+        args.service_requests = min(defaults["service_requests"], args.prompts)
+    if args.service_max_tokens is None:
+        args.service_max_tokens = min(defaults["service_max_tokens"], args.max_tokens)
+    for key in ("prompts", "max_tokens", "service_requests", "service_max_tokens"):
+        if getattr(args, key) < 1:
+            build_parser().error(f"--{key.replace('_', '-')} must be at least 1")
+    if min(args.concurrency) < 1:
+        build_parser().error("--concurrency must be at least 1")
     if args.draft in ("none", ""):
         args.draft = None
     out = Path(args.out or f"bench-results/{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
@@ -99,6 +120,8 @@ def selected(all_systems: list[systems.System], patterns: list[str] | None) -> l
 
 
 def run(args: argparse.Namespace, out: Path, command: str) -> dict:
+    """Runs every phase; after each one the results so far are written to --out, so an interrupted
+    run keeps what it measured (the document says ``"partial": true`` until the end)."""
     from tqdm import tqdm
 
     from specserve import models
@@ -108,7 +131,7 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
     lib_systems = selected(systems.all_systems(), args.systems) if "library" in args.modes else []
     svc_systems = selected(systems.specserve_systems(), args.systems) if "service" in args.modes else []
     lib_workloads = workloads.load(args.workloads, args.prompts, args.seed)
-    svc_prompts = max([args.prompts, *args.concurrency])
+    svc_prompts = max([args.service_requests, *args.concurrency])
     svc_names = args.workloads[:1] if args.quick else args.workloads
     svc_workloads = workloads.load(svc_names, svc_prompts, args.seed) if svc_systems else []
     tokenizer = models.load_tokenizer(args.target)
@@ -118,42 +141,55 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
     total = len(lib_systems) * n_prompts + len(svc_systems) * len(svc_encoded) * len(args.concurrency)
     bar = tqdm(total=total, disable=args.no_progress, file=sys.stderr, unit="step", dynamic_ncols=True)
     machine = machine_info(args)
-
-    phases: dict[str, float] = {}  # wall time of each phase, to plan runs
-    lib_runs = _library_mode(args, lib_systems, lib_encoded, tokenizer, machine, out, bar, phases)
-    svc_runs = _service_mode(args, svc_systems, svc_encoded, out, bar, phases)
-    bar.close()
-    machine["load_average_at_end"] = round(os.getloadavg()[0], 2)
     notes = []
     if svc_systems:
         notes.append("Service mode measures specserve only: vLLM's OpenAI server and transformers have no "
                      "service-mode runs in this harness yet (library mode compares them).")
-
-    return {
+    doc = {
         "command": command,
         "full_command": FULL_COMMAND,
         "started": started.isoformat(timespec="seconds"),
-        "duration_s": time.monotonic() - t0,
-        "phases": phases,
+        "duration_s": 0.0,
+        "partial": True,
+        "phases": {},  # wall time of each phase, to plan runs
         "machine": machine,
         "setup": {
             "target": args.target, "draft": args.draft, "dtype": args.dtype, "max_tokens": args.max_tokens,
             "k": systems.K, "seed": args.seed, "greedy": True, "quick": args.quick, "modes": args.modes,
-            "concurrency": args.concurrency if svc_systems else [], "service_prompts": svc_prompts,
+            "concurrency": args.concurrency if svc_systems else [],
+            "service_requests": args.service_requests, "service_max_tokens": args.service_max_tokens,
             "manifest": args.manifest,
             "workloads": [_describe(w) for w in lib_workloads] if lib_systems else [],
             "service_workloads": [_describe(w) for w in svc_workloads],
         },
-        "library": lib_runs,
-        "service": svc_runs,
+        "library": [],
+        "service": [],
         "notes": notes,
     }
 
+    def checkpoint(final: bool = False) -> None:
+        doc["duration_s"] = time.monotonic() - t0
+        doc["partial"] = not final
+        if final:
+            machine["load_average_at_end"] = round(os.getloadavg()[0], 2)
+        else:
+            write_outputs(doc, out, None)
 
-def _library_mode(args, lib_systems, encoded, tokenizer, machine, out, bar, phases) -> list[dict]:
+    doc["library"] = _library_mode(args, lib_systems, lib_encoded, tokenizer, machine, out, bar, doc["phases"],
+                                   checkpoint=lambda runs: (doc.update(library=runs), checkpoint()))
+    checkpoint()
+    doc["service"] = _service_mode(args, svc_systems, svc_encoded, out, bar, doc["phases"])
+    bar.close()
+    checkpoint(final=True)
+    return doc
+
+
+def _library_mode(args, lib_systems, encoded, tokenizer, machine, out, bar, phases, checkpoint) -> list[dict]:
     started = time.monotonic()
     runs = _run_in_process([s for s in lib_systems if s.engine != "vllm"], encoded, args, bar, machine)
     phases["library_in_process_s"] = time.monotonic() - started
+    systems.compare(runs)
+    checkpoint([r.as_dict() for r in runs])
     vllm = [s for s in lib_systems if s.engine == "vllm"]
     if vllm:
         started = time.monotonic()
@@ -181,7 +217,8 @@ def _service_mode(args, svc_systems, encoded, out, bar, phases) -> list[dict]:
         config = service.serve_config(args.target, args.draft, args.dtype, args.port)
         Path(manifest).write_text(yaml.safe_dump(config, sort_keys=False))
     runs = service.run_service(svc_systems, encoded, manifest=manifest,
-                               url=f"http://127.0.0.1:{service.manifest_port(manifest)}", max_tokens=args.max_tokens,
+                               url=f"http://127.0.0.1:{service.manifest_port(manifest)}",
+                               max_tokens=args.service_max_tokens, requests=args.service_requests,
                                concurrency=args.concurrency, log_path=out / "serve.log", bar=bar)
     systems.compare_service(runs)
     phases["service_s"] = time.monotonic() - started
