@@ -167,29 +167,26 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
         "notes": notes,
     }
 
-    def checkpoint(final: bool = False) -> None:
-        doc["duration_s"] = time.monotonic() - t0
-        doc["partial"] = not final
-        if final:
-            machine["load_average_at_end"] = round(os.getloadavg()[0], 2)
-        else:
-            write_outputs(doc, out, None)
+    def save_partial(**phase_runs) -> None:
+        doc.update(phase_runs, duration_s=time.monotonic() - t0)
+        write_outputs(doc, out, None)
 
-    doc["library"] = _library_mode(args, lib_systems, lib_encoded, tokenizer, machine, out, bar, doc["phases"],
-                                   checkpoint=lambda runs: (doc.update(library=runs), checkpoint()))
-    checkpoint()
+    runs = _library_mode(args, lib_systems, lib_encoded, tokenizer, machine, out, bar, doc["phases"],
+                         save_partial=lambda runs: save_partial(library=runs))
+    save_partial(library=runs)
     doc["service"] = _service_mode(args, svc_systems, svc_encoded, out, bar, doc["phases"])
     bar.close()
-    checkpoint(final=True)
+    machine["load_average_at_end"] = round(os.getloadavg()[0], 2)
+    doc.update(partial=False, duration_s=time.monotonic() - t0)
     return doc
 
 
-def _library_mode(args, lib_systems, encoded, tokenizer, machine, out, bar, phases, checkpoint) -> list[dict]:
+def _library_mode(args, lib_systems, encoded, tokenizer, machine, out, bar, phases, save_partial) -> list[dict]:
     started = time.monotonic()
     runs = _run_in_process([s for s in lib_systems if s.engine != "vllm"], encoded, args, bar, machine)
     phases["library_in_process_s"] = time.monotonic() - started
     systems.compare(runs)
-    checkpoint([r.as_dict() for r in runs])
+    save_partial([r.as_dict() for r in runs])  # before vLLM's long start-ups
     vllm = [s for s in lib_systems if s.engine == "vllm"]
     if vllm:
         started = time.monotonic()
