@@ -63,7 +63,9 @@ def _run_one(system: System, encoded: Encoded, pair, decoder, max_tokens: int, b
         options = dict(system.options)
         k = options.pop("k", None)
         if isinstance(options.get("tree"), dict):  # JSON settings (as a request sends them) -> TreeSpec
-            options["tree"] = _tree_spec(options["tree"])
+            from specserve.protocol import TreeSpec
+
+            options["tree"] = TreeSpec(**options["tree"])
 
         def generate(ids, tokens):
             result = run_specserve(decoder, system.name, [ids], tokens, system.method, k, **options)
@@ -103,15 +105,6 @@ def _run_one(system: System, encoded: Encoded, pair, decoder, max_tokens: int, b
             run.num_accepted_tokens += result.accepted_tokens
             bar.update(1)
     return runs
-
-
-def _tree_spec(fields: dict):
-    from specserve.protocol import TreeSpec
-
-    fields = dict(fields)
-    if fields.get("shape") is not None:
-        fields["shape"] = tuple(tuple(path) for path in fields["shape"])
-    return TreeSpec(**fields)
 
 
 # --------------------------------------------------------------------------- vLLM

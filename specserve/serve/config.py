@@ -84,9 +84,7 @@ class TreeArgs(_Strict):
         return self
 
     def spec(self) -> TreeSpec:
-        fields = self.model_dump()
-        fields["shape"] = None if self.shape is None else tuple(tuple(p) for p in self.shape)
-        return TreeSpec(**fields)
+        return TreeSpec(**self.model_dump())  # TreeSpec turns the shape's lists into tuples
 
 
 class SpeculationArgs(_Strict):

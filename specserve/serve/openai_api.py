@@ -25,10 +25,7 @@ class TreeOverride(BaseModel):
 
     def apply_to(self, spec: TreeSpec) -> TreeSpec:
         """The deployment's spec with this request's fields; TreeSpec checks the ranges."""
-        fields = self.model_dump(exclude_unset=True)
-        if fields.get("shape") is not None:
-            fields["shape"] = tuple(tuple(path) for path in fields["shape"])
-        return replace(spec, **fields)
+        return replace(spec, **self.model_dump(exclude_unset=True))
 
 
 class SpeculationOverride(BaseModel):
