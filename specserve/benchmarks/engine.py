@@ -105,8 +105,9 @@ def load_for_benchmark(args: argparse.Namespace):
     prompt_ids = [pair.tokenizer.encode(p) for p in humaneval_prompts(args.prompts)]
     print(f"# {len(prompt_ids)} HumanEval prompts, {args.max_tokens} new tokens, greedy, batch 1, "
           f"{args.dtype}, torch threads {torch.get_num_threads()}", flush=True)
-    # warm-up: first calls pay for allocator growth and kernel selection
-    decoder.generate([prompt_ids[0][:16]], method="draft", k=2)
+    # warm-up: first calls pay for allocator growth and kernel selection (trees too: their masks)
+    for method in ("draft", "tree"):
+        decoder.generate([prompt_ids[0][:16]], method=method, k=2)
     return pair, decoder, prompt_ids
 
 
