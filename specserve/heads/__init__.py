@@ -1,0 +1,16 @@
+"""Heads on the target model that propose draft tokens (Medusa; later Hydra and ReDrafter)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HEAD_METHODS = ("medusa",)
+
+
+def default_heads_dir(target: str, method: str = "medusa") -> Path:
+    """Where `specserve train-heads` (and `make heads`) put a registry target's heads:
+    $SPECSERVE_HOME/heads/<target>-<method>."""
+    from specserve.models import specserve_home
+
+    name = Path(str(target)).name if Path(str(target)).exists() else str(target).replace("/", "--")
+    return specserve_home() / "heads" / f"{name}-{method}"
