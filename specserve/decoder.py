@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specserve.proposers import Proposer
-from specserve.protocol import SamplingParams, SpecserveError, TreeSpec
-from specserve.request_state import DRAFT_METHODS, RequestState, SpecStats, validate_speculation
+from specserve.protocol import DRAFT_POOL_PROPOSERS, SamplingParams, Speculation, SpecserveError, TreeSpec
+from specserve.request_state import RequestState, SpecStats
 from specserve.verifier import Verifier
 
 
@@ -44,7 +44,20 @@ class BatchReport:
         return self.stats.generated_tokens / self.seconds if self.seconds else 0.0
 
 
+def with_overrides(spec: Speculation, *, speculation: Speculation | None = None, method: str | None = None,
+                   proposer: str | None = None, shape: str | None = None, k: int | None = None,
+                   tree: TreeSpec | None = None, acceptance: str | None = None) -> Speculation:
+    """The library's keyword overrides on a speculation (a whole `speculation` replaces it).
+    `tree` is a whole TreeSpec here; `method` is the older spelling of proposer + shape."""
+    spec = speculation or spec
+    spec = spec.overridden(method=method, proposer=proposer, shape=shape, k=k, acceptance=acceptance)
+    return replace(spec, tree=tree) if tree is not None else spec
+
+
 class SpeculativeDecoder:
+    """Speculative decoding in one process. `proposer` is a draft model's (proposer `draft`);
+    a verifier built with heads proposes itself (proposer `medusa`, co-located)."""
+
     def __init__(
         self,
         verifier: Verifier,
@@ -52,45 +65,49 @@ class SpeculativeDecoder:
         *,
         tokenizer=None,
         eos_token_ids=(),
-        method: str = "draft",
-        k: int = 4,
+        speculation: Speculation | None = None,
+        method: str | None = None,
+        k: int | None = None,
         tree: TreeSpec | None = None,
         max_context: int | None = None,
     ):
-        validate_speculation(method, k)
         self.verifier = verifier
         self.proposer = proposer
-        self._check_proposer(method)
+        default = Speculation(proposer="draft" if proposer is not None
+                              else "medusa" if verifier.heads is not None else "none")
+        self.speculation = with_overrides(default, speculation=speculation, method=method, k=k, tree=tree)
+        self._check_proposer(self.speculation)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.method = method
-        self.k = k
-        self.tree = tree or TreeSpec()
         self.max_context = max_context
         self.last_report = BatchReport()
 
     @classmethod
-    def from_pretrained(cls, target: str, draft: str | None = None, *, dtype: str = "bfloat16",
-                        device: str = "cpu", method: str | None = None, k: int = 4, tree: TreeSpec | None = None,
+    def from_pretrained(cls, target: str, draft: str | None = None, *, heads: str | None = None,
+                        dtype: str = "bfloat16", device: str = "cpu", speculation: Speculation | None = None,
+                        method: str | None = None, k: int | None = None, tree: TreeSpec | None = None,
                         draft_top_m: int = 256, draft_min_confidence: float = 0.5) -> SpeculativeDecoder:
-        """Load a target (and draft) by registry name, local directory or Hub id."""
+        """Load a target (and a draft, or heads trained by `specserve train-heads`: a directory,
+        or "default" for $SPECSERVE_HOME/heads/<target>-medusa) by registry name, local
+        directory or Hub id."""
         from specserve.loading import load_pair
 
-        pair = load_pair(target, draft, dtype=dtype, device=device)
+        pair = load_pair(target, draft, heads=heads, dtype=dtype, device=device)
         return cls(
             pair.verifier(),
             pair.proposer(top_m=draft_top_m, min_confidence=draft_min_confidence),
             tokenizer=pair.tokenizer,
             eos_token_ids=pair.eos_token_ids,
-            method=method or ("draft" if draft else "none"),
-            k=k,
-            tree=tree,
+            speculation=speculation, method=method, k=k, tree=tree,
             max_context=pair.max_context,
         )
 
-    def _check_proposer(self, method: str) -> None:
-        if method in DRAFT_METHODS and self.proposer is None:
-            raise SpecserveError(f"method {method!r} needs a draft model")
+    def _check_proposer(self, spec: Speculation) -> None:
+        if spec.proposer in DRAFT_POOL_PROPOSERS and self.proposer is None:
+            raise SpecserveError(f"proposer {spec.proposer!r} needs a draft model")
+        if spec.co_located and self.verifier.heads is None:
+            raise SpecserveError(f"proposer {spec.proposer!r} needs heads on the target (train them with "
+                                 "`specserve train-heads`)")
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -103,20 +120,21 @@ class SpeculativeDecoder:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] = SamplingParams(), *,
-                 method: str | None = None, k: int | None = None, tree: TreeSpec | None = None) -> list[Generation]:
-        """Generate for a batch of prompts (strings or token id lists) together. `method`, `k`
-        and `tree` override the decoder's defaults for this call."""
+                 speculation: Speculation | None = None, method: str | None = None, proposer: str | None = None,
+                 shape: str | None = None, k: int | None = None, tree: TreeSpec | None = None,
+                 acceptance: str | None = None) -> list[Generation]:
+        """Generate for a batch of prompts (strings or token id lists) together. `speculation`
+        (or `proposer`, `shape`, `k`, `tree`, `acceptance`, or the older `method`) override the
+        decoder's defaults for this call."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise SpecserveError("give one SamplingParams per prompt, or one for all")
-        method = method or self.method
-        self._check_proposer(method)
-        states = [
-            RequestState(uuid.uuid4().hex, self._encode(prompt), p, method, self.k if k is None else k,
-                         self.eos_token_ids, self.max_context, tree=tree or self.tree)
-            for prompt, p in zip(prompts, params)
-        ]
+        spec = with_overrides(self.speculation, speculation=speculation, method=method, proposer=proposer,
+                              shape=shape, k=k, tree=tree, acceptance=acceptance)
+        self._check_proposer(spec)
+        states = [RequestState(uuid.uuid4().hex, self._encode(prompt), p, spec, self.eos_token_ids, self.max_context)
+                  for prompt, p in zip(prompts, params)]
         start = time.perf_counter()
         live = list(states)
         while live:
@@ -142,9 +160,8 @@ class SpeculativeDecoder:
         return self._decode(state.output_ids) if self.tokenizer is not None else None
 
     def _round(self, live: list[RequestState]) -> None:
-        propose = [s.propose_request() for s in live]
-        drafting = [r for r in propose if r.k > 0]
+        drafting = [s.propose_request() for s in live if s.needs_proposer]
         proposals = {p.request_id: p for p in self.proposer.propose(drafting)} if drafting else {}
-        verify = [s.verify_request(proposals.get(s.request_id)) for s in live]
+        verify = [s.verify_request(proposals.get(s.request_id) or s.proposal_in_hand()) for s in live]
         for s, v, result in zip(live, verify, self.verifier.verify(verify)):
             s.commit(result, v.draft)

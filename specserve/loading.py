@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from specserve import models
 from specserve.engine.torch_worker import TorchWorker
+from specserve.protocol import SpecserveError
 from specserve.proposers.draft_model import DraftModelProposer
 from specserve.verifier import Verifier
 
@@ -26,6 +28,30 @@ def eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def heads_dir_for(target: str, heads: str) -> Path:
+    """`heads` as given ("default": where `specserve train-heads` puts the target's heads)."""
+    from specserve.heads import default_heads_dir
+
+    return default_heads_dir(target) if heads == "default" else Path(heads)
+
+
+def missing_heads_message(target: str, directory: Path) -> str:
+    return (f"no Medusa heads for {target} at {directory}; train them with `make heads` (the default pair) "
+            f"or `specserve train-heads --method medusa --target {target} --out {directory}`")
+
+
+def load_medusa(target: str, heads: str, worker: TorchWorker, *, min_confidence: float = 0.0):
+    """Medusa heads for a loaded target worker, on its device and dtype, as a proposer."""
+    from specserve.heads.medusa import CONFIG_FILE, load_heads
+    from specserve.proposers.medusa import MedusaProposer
+
+    directory = heads_dir_for(target, heads)
+    if not (directory / CONFIG_FILE).is_file():
+        raise SpecserveError(missing_heads_message(target, directory))
+    return MedusaProposer(load_heads(directory, worker.model.lm_head.weight), vocab_size=worker.vocab_size,
+                          min_confidence=min_confidence)
+
+
 @dataclass
 class LoadedPair:
     target: TorchWorker
@@ -33,9 +59,10 @@ class LoadedPair:
     tokenizer: object
     eos_token_ids: set[int]
     max_context: int
+    heads: object | None = None  # a MedusaProposer co-located with the target
 
     def verifier(self) -> Verifier:
-        return Verifier(self.target)
+        return Verifier(self.target, self.heads)
 
     def proposer(self, *, top_m: int = 256, min_confidence: float = 0.5) -> DraftModelProposer | None:
         if self.draft is None:
@@ -43,10 +70,12 @@ class LoadedPair:
         return DraftModelProposer(self.draft, top_m=top_m, min_confidence=min_confidence)
 
 
-def load_pair(target: str, draft: str | None = None, *, dtype: str = "bfloat16",
+def load_pair(target: str, draft: str | None = None, *, heads: str | None = None, dtype: str = "bfloat16",
               device: str = "cpu") -> LoadedPair:
-    """Load the target (and draft) into torch workers. A draft that does not share the target's
-    vocabulary is refused before any weights are loaded."""
+    """Load the target (and draft, and heads) into torch workers. A draft that does not share
+    the target's vocabulary is refused before any weights are loaded, and so are missing heads."""
+    if heads is not None and not (heads_dir_for(target, heads) / "config.json").is_file():
+        raise SpecserveError(missing_heads_message(target, heads_dir_for(target, heads)))
     from transformers import AutoConfig
 
     tokenizer = models.load_tokenizer(target)
@@ -63,10 +92,12 @@ def load_pair(target: str, draft: str | None = None, *, dtype: str = "bfloat16",
         draft_model = models.load_causal_lm(draft, dtype=dtype, device=device)
         draft_worker = TorchWorker(draft_model, vocab_size=vocab)
         max_context = min(max_context, draft_model.config.max_position_embeddings)
+    target_worker = TorchWorker(target_model, vocab_size=vocab)
     return LoadedPair(
-        TorchWorker(target_model, vocab_size=vocab),
+        target_worker,
         draft_worker,
         tokenizer,
         eos_ids(target_model, tokenizer),
         max_context,
+        load_medusa(target, heads, target_worker) if heads is not None else None,
     )

@@ -14,6 +14,21 @@ import numpy as np
 MAX_K = 64  # longest draft chain / deepest tree accepted anywhere
 MAX_TREE_NODES = 256  # largest draft tree accepted anywhere
 
+# Speculation = proposer x shape. Proposers: where draft tokens come from.
+PROPOSERS = ("none", "draft", "medusa")
+DRAFT_POOL_PROPOSERS = ("draft",)  # need a separate draft model (a draft pool)
+HEAD_PROPOSERS = ("medusa",)  # heads on the target: co-located, proposed by the verify pass
+# Shapes: a chain of k tokens, or a token tree (static when TreeSpec.shape is set, else dynamic).
+SHAPES = ("chain", "tree")
+# The method names before proposer and shape were separate, and what each one means now.
+LEGACY_METHODS = {"none": ("none", "chain"), "draft": ("draft", "chain"), "tree": ("draft", "tree")}
+ACCEPTANCES = ("exact", "typical")
+
+# How the nodes of a proposal were drawn; the verifier's acceptance depends on it.
+SAMPLED = "sampled"  # siblings drawn without replacement from a distribution q sent along
+DETERMINISTIC = "deterministic"  # chosen, not drawn (top-k, heads, n-grams, beams): q = point mass
+DRAW_LAWS = (SAMPLED, DETERMINISTIC)
+
 
 class SpecserveError(ValueError):
     """A request or configuration that specserve refuses, with a message meant for the user."""
@@ -208,6 +223,109 @@ def check_shape(paths: tuple[tuple[int, ...], ...]) -> None:
                                  f"{list(path[:-1] + (path[-1] - 1,))} in the shape")
 
 
+@dataclass(frozen=True)
+class TypicalAcceptance:
+    """Medusa's typical acceptance: LOSSY, opt-in. A sampled request accepts a draft token x
+    when p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p))), where p is the target's
+    processed distribution and H its entropy. The output is then *not* distributed as the
+    target's; it trades that for longer accepted runs. Greedy requests are unaffected."""
+
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+
+    def __post_init__(self) -> None:
+        if not 0 < self.posterior_threshold <= 1:
+            raise SpecserveError(f"posterior_threshold must be in (0, 1], got {self.posterior_threshold}")
+        if not 0 < self.posterior_alpha <= 1:
+            raise SpecserveError(f"posterior_alpha must be in (0, 1], got {self.posterior_alpha}")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What a request speculates with: a proposer and a shape.
+
+    - proposer: `none` (target only), `draft` (a draft model in its own pool), `medusa`
+      (heads on the target, co-located: the verify pass also proposes the next round);
+    - shape: `chain` (k tokens in a row) or `tree` (`tree`: dynamic, or static when
+      `tree.shape` lists paths of child ranks);
+    - acceptance: `exact` (lossless, the default) or `typical` (Medusa's typical acceptance,
+      lossy by design, opt-in).
+
+    >>> Speculation(proposer="medusa", shape="tree").depth
+    12
+    """
+
+    proposer: str = "draft"
+    shape: str = "chain"
+    k: int = 4
+    tree: TreeSpec = field(default_factory=TreeSpec)
+    acceptance: str = "exact"
+    typical: TypicalAcceptance = field(default_factory=TypicalAcceptance)
+
+    def __post_init__(self) -> None:
+        if self.proposer not in PROPOSERS:
+            raise SpecserveError(f"unknown proposer {self.proposer!r}; choose one of {', '.join(PROPOSERS)}")
+        if self.shape not in SHAPES:
+            raise SpecserveError(f"unknown speculation shape {self.shape!r}; choose one of {', '.join(SHAPES)}")
+        if not 0 <= self.k <= MAX_K:
+            raise SpecserveError(f"k (draft tokens per round) must be in [0, {MAX_K}], got {self.k}")
+        if self.acceptance not in ACCEPTANCES:
+            raise SpecserveError(f"unknown acceptance {self.acceptance!r}; choose exact (lossless) or "
+                                 "typical (lossy, Medusa's typical acceptance)")
+
+    @property
+    def depth(self) -> int:
+        """The most draft tokens one round can accept: k for a chain, the tree's depth."""
+        return 0 if self.proposer == "none" else self.k if self.shape == "chain" else self.tree.depth
+
+    @property
+    def co_located(self) -> bool:
+        return self.proposer in HEAD_PROPOSERS
+
+    @property
+    def lossy(self) -> bool:
+        return self.acceptance == "typical"
+
+    def draft_tree(self) -> TreeSpec | None:
+        """The tree a proposer grows (None: a chain)."""
+        return self.tree if self.shape == "tree" else None
+
+    def describe(self) -> str:
+        if self.proposer == "none":
+            return "none"
+        shape = f"chain k={self.k}" if self.shape == "chain" else f"tree {self.tree}"
+        return f"{self.proposer}, {shape}, {'typical acceptance (LOSSY)' if self.lossy else 'exact'}"
+
+    def overridden(self, *, method: str | None = None, proposer: str | None = None, shape: str | None = None,
+                   k: int | None = None, tree: dict | None = None, acceptance: str | None = None,
+                   typical: dict | None = None) -> Speculation:
+        """This speculation with some settings replaced (a request's override, a CLI flag).
+        `method` is the older spelling of proposer + shape (see LEGACY_METHODS); it may not be
+        combined with them. `tree` and `typical` are partial: unset fields keep these ones."""
+        if method is not None:
+            if proposer is not None or shape is not None:
+                raise SpecserveError("give `proposer` and `shape`, or the older `method`, not both "
+                                     "(method tree = proposer draft + shape tree)")
+            if method not in LEGACY_METHODS:
+                if method in PROPOSERS:  # e.g. method: medusa means proposer: medusa
+                    proposer = method
+                else:
+                    raise SpecserveError(
+                        f"unknown speculation method {method!r}; write `proposer` ({', '.join(PROPOSERS)}) "
+                        f"and `shape` ({', '.join(SHAPES)}) instead")
+            else:
+                proposer, shape = LEGACY_METHODS[method]
+        changes: dict = {}
+        for name, value in (("proposer", proposer), ("shape", shape), ("k", k), ("acceptance", acceptance)):
+            if value is not None:
+                changes[name] = value
+        if tree:
+            changes["tree"] = replace(self.tree, **tree)
+        if typical:
+            changes["typical"] = replace(self.typical, **typical)
+        return replace(self, **changes) if changes else self
+
+
 @dataclass
 class SparseDist:
     """A distribution over the vocabulary that is zero outside `ids`. [k, m] per request.
@@ -221,6 +339,32 @@ class SparseDist:
     probs: np.ndarray  # [k, m] float32, rows sum to 1
 
 
+def check_draw_law(tree: TokenTree, law: str, dists: SparseDist | None, who: str) -> None:
+    """A proposal must say how its nodes were drawn, consistently with what it sends:
+    `sampled` nodes come with the distribution q each was drawn from (one row per node);
+    `deterministic` nodes come with none (q is a point mass on each candidate). Verifying a
+    top-k tree as if it had been sampled from its q would be inexact, so the law is never
+    guessed from what happens to be attached."""
+    if law not in DRAW_LAWS:
+        raise SpecserveError(f"{who}: unknown draw law {law!r}; use {SAMPLED!r} or {DETERMINISTIC!r}")
+    if law == SAMPLED and len(tree) and (dists is None or dists.ids.shape[0] != len(tree)):
+        raise SpecserveError(f"{who}: sampled drafts need the distribution each node was drawn from, "
+                             "one row per node")
+    if law == DETERMINISTIC and dists is not None:
+        raise SpecserveError(f"{who}: deterministic drafts carry no draft distribution (q is a point mass "
+                             "on each candidate); a proposer that sampled its nodes must say law='sampled'")
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """How much to draft for a request's next round: a chain of k tokens (tree None), or a tree
+    capped at depth k. `seed` is the randomness of that round's draft sampling."""
+
+    k: int
+    tree: TreeSpec | None = None
+    seed: int = 0
+
+
 @dataclass
 class ProposeRequest:
     request_id: str
@@ -230,15 +374,37 @@ class ProposeRequest:
     seed: int  # randomness of this round's draft sampling
     tree: TreeSpec | None = None  # None: a chain of k tokens
 
+    @classmethod
+    def after(cls, request_id: str, token_ids: list[int], params: SamplingParams, shape: DraftShape) -> ProposeRequest:
+        return cls(request_id, token_ids, shape.k, params, shape.seed, shape.tree)
+
 
 @dataclass
 class Proposal:
+    """A draft for one request: a token tree (a chain is the one-branch tree) and how its
+    nodes were drawn (`law`, see check_draw_law)."""
+
     request_id: str
-    tree: TokenTree = field(default_factory=lambda: TokenTree())  # a chain is the one-branch tree
-    # Sampled requests: row i is the distribution node i was drawn from (its parent's, before
-    # drawing without replacement). None for greedy requests.
+    tree: TokenTree
+    law: str
+    # law == SAMPLED: row i is the distribution node i was drawn from (its parent's, before
+    # drawing without replacement). None for deterministic proposals.
     dists: SparseDist | None = None
     compute_s: float = 0.0  # the pool's time in the batch that produced it
+
+    def __post_init__(self) -> None:
+        check_draw_law(self.tree, self.law, self.dists, f"proposal for {self.request_id}")
+
+    def truncated(self, depth: int) -> Proposal:
+        """Only the nodes at depth <= `depth` (a request near max_tokens verifies less). Whole
+        levels go, so the kept siblings keep their law."""
+        depths = self.tree.depths
+        if not depths or max(depths) <= depth:
+            return self
+        keep = [i for i, d in enumerate(depths) if d <= depth]  # parents precede children: same indices
+        tree = TokenTree(tuple(self.tree.tokens[i] for i in keep), tuple(self.tree.parents[i] for i in keep))
+        dists = None if self.dists is None else SparseDist(self.dists.ids[keep], self.dists.probs[keep])
+        return replace(self, tree=tree, dists=dists)
 
 
 @dataclass
@@ -248,7 +414,14 @@ class VerifyRequest:
     params: SamplingParams
     seed: int  # randomness of this round's acceptance
     draft: TokenTree = field(default_factory=TokenTree)
-    dists: SparseDist | None = None  # draft distribution per node, for sampled requests
+    law: str = DETERMINISTIC  # how the draft's nodes were drawn (an empty draft: either)
+    dists: SparseDist | None = None  # law == SAMPLED: the draft distribution per node
+    typical: TypicalAcceptance | None = None  # None: exact acceptance; set: LOSSY typical acceptance
+    # Co-located heads: the shape of the next round's proposal, made from this pass's hidden state.
+    propose_next: DraftShape | None = None
+
+    def __post_init__(self) -> None:
+        check_draw_law(self.draft, self.law, self.dists, f"request {self.request_id}")
 
 
 @dataclass
@@ -257,3 +430,4 @@ class VerifyResult:
     num_accepted: int  # draft tokens accepted
     tokens: list[int]  # accepted draft tokens + one recovered or bonus token from the target
     compute_s: float = 0.0  # the pool's time in the batch that produced it
+    next_proposal: Proposal | None = None  # co-located heads: the next round's draft

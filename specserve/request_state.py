@@ -12,13 +12,10 @@ import secrets
 from dataclasses import dataclass, field
 
 from specserve.protocol import (
-    MAX_K, Proposal, ProposeRequest, SamplingParams, SpecserveError, TokenTree, TreeSpec, VerifyRequest,
+    DraftShape, Proposal, ProposeRequest, SamplingParams, Speculation, SpecserveError, TokenTree, VerifyRequest,
     VerifyResult,
 )
 from specserve.trees import add_counts, count_ranks
-
-METHODS = ("none", "draft", "tree")
-DRAFT_METHODS = ("draft", "tree")  # the methods that need a draft model
 
 
 @dataclass
@@ -76,26 +73,19 @@ class SpecStats:
         }
 
 
-def validate_speculation(method: str, k: int) -> None:
-    if method not in METHODS:
-        raise SpecserveError(f"unknown speculation method {method!r}; choose one of {', '.join(METHODS)}")
-    if not 0 <= k <= MAX_K:
-        raise SpecserveError(f"k (draft tokens per round) must be in [0, {MAX_K}], got {k}")
-
-
 @dataclass
 class RequestState:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    method: str = "draft"
-    k: int = 4
+    speculation: Speculation = field(default_factory=Speculation)
     eos_token_ids: frozenset[int] = frozenset()
     max_context: int | None = None  # the models' context length: generation stops there
-    tree: TreeSpec | None = None  # method "tree": how the draft grows its tree (default TreeSpec())
     # Serving: the first round drafts nothing, so the first token costs one target prefill
     # (time to first token); the draft catches up on the prompt in round two.
     prefill_without_draft: bool = False
+    # Co-located heads: the draft the last verify pass proposed for the next round.
+    held_proposal: Proposal | None = None
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"
     stop_text: str | None = None  # the output text cut before a matched stop sequence
@@ -106,9 +96,6 @@ class RequestState:
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise SpecserveError("the prompt is empty: give at least one token")
-        validate_speculation(self.method, self.k)
-        if self.method == "tree" and self.tree is None:
-            self.tree = TreeSpec()
         if self.max_context is not None and len(self.prompt_ids) >= self.max_context:
             raise SpecserveError(
                 f"the prompt has {len(self.prompt_ids)} tokens; the model's context is "
@@ -135,24 +122,54 @@ class RequestState:
     def round_k(self) -> int:
         """Draft length (a tree: depth) this round: never draft tokens that could not be
         emitted (the round's recovered/bonus token takes one of the remaining places)."""
-        if self.method == "none" or (self.prefill_without_draft and not self.output_ids):
+        if self.prefill_without_draft and not self.output_ids:
             return 0
-        depth = self.tree.depth if self.method == "tree" else self.k
-        return max(0, min(depth, self.room() - 1))
+        return max(0, min(self.speculation.depth, self.room() - 1))
+
+    @property
+    def needs_proposer(self) -> bool:
+        """Whether this round's draft comes from a separate proposer (a draft pool). Co-located
+        heads propose during the previous round's verify pass instead."""
+        return self.speculation.proposer != "none" and not self.speculation.co_located and self.round_k() > 0
 
     def propose_request(self) -> ProposeRequest:
         return ProposeRequest(self.request_id, self.token_ids, self.round_k(), self.params, self.rng.getrandbits(63),
-                              self.tree if self.method == "tree" else None)
+                              self.speculation.draft_tree())
+
+    def proposal_in_hand(self) -> Proposal | None:
+        """Co-located heads: the draft the previous verify pass proposed, cut to this round's
+        depth (None when there is none or this round drafts nothing)."""
+        k = self.round_k()
+        if self.held_proposal is None or k == 0 or not self.speculation.co_located:
+            return None
+        return self.held_proposal.truncated(k)
 
     def verify_request(self, proposal: Proposal | None) -> VerifyRequest:
         seed = self.rng.getrandbits(63)
+        spec = self.speculation
+        propose_next = None
+        if spec.co_located:
+            propose_next = DraftShape(min(spec.depth, max(0, self.room() - 2)), spec.draft_tree(),
+                                      self.rng.getrandbits(63))
+        typical = spec.typical if spec.lossy else None
         if proposal is None or not len(proposal.tree):
-            return VerifyRequest(self.request_id, self.token_ids, self.params, seed)
-        return VerifyRequest(self.request_id, self.token_ids, self.params, seed, proposal.tree, proposal.dists)
+            return VerifyRequest(self.request_id, self.token_ids, self.params, seed, typical=typical,
+                                 propose_next=propose_next)
+        return VerifyRequest(self.request_id, self.token_ids, self.params, seed, proposal.tree, proposal.law,
+                             proposal.dists, typical=typical, propose_next=propose_next)
+
+    def usage_stats(self) -> dict:
+        """`usage.speculation`: the counters plus what produced them. A lossy acceptance is
+        labelled as such wherever the numbers go."""
+        spec = self.speculation
+        return {**self.stats.as_dict(), "proposer": spec.proposer,
+                "shape": "none" if spec.proposer == "none" else spec.shape,
+                "acceptance": "typical (lossy)" if spec.lossy else "exact", "lossy": spec.lossy}
 
     def commit(self, result: VerifyResult, draft: TokenTree) -> list[int]:
         """Append a round's verified tokens, cut at EOS / stop ids / max_tokens. Returns the
         tokens actually emitted. `draft` is the tree the round verified."""
+        self.held_proposal = result.next_proposal
         s = self.stats
         s.target_steps += 1
         if len(draft):

@@ -8,14 +8,18 @@ Each round therefore emits num_accepted + 1 tokens.
 
 The guarantee (Leviathan et al. 2023, Chen et al. 2023): every emitted token is distributed
 exactly as the target's p given the tokens before it, whatever the draft distribution q is,
-as long as the draft tokens were drawn from q.
+as long as the draft tokens were drawn from q. Candidates that were chosen rather than drawn
+(head top-k, n-grams, beams) are the case q = a point mass on each candidate.
+
+`accept_typical_tree` (Medusa's typical acceptance) is the one exception: lossy by design,
+used only when a request opts in.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specserve.protocol import SamplingParams, SparseDist, TokenTree
+from specserve.protocol import SamplingParams, SparseDist, TokenTree, TypicalAcceptance
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -105,25 +109,33 @@ def accept_greedy_tree(tree: TokenTree, target_logits: torch.Tensor) -> list[int
 
 def accept_rejection_tree(
     tree: TokenTree,
-    draft_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
     target_probs_: torch.Tensor,
     generator: torch.Generator | None,
 ) -> list[int]:
     """Lossless multi-draft speculative sampling of a token tree (recursive rejection sampling,
     SpecInfer / Jeon et al. 2024).
 
-    draft_probs: [n, V], row i the distribution node i was drawn from: its parent's draft
-    distribution q. A node's children must have been drawn from q *without replacement*, in
-    sibling order. target_probs_: [1 + n, V], the target's processed distribution after the
-    root (row 0) and after each node (row i + 1).
+    target_probs_: [1 + n, V], the target's processed distribution after the root (row 0) and
+    after each node (row i + 1). draft_probs says how the nodes were drawn:
+    - [n, V] (sampled): row i is the distribution node i was drawn from, its parent's draft
+      distribution q; a node's children were drawn from q *without replacement*, in sibling
+      order. Sibling j is then proposed from q_j = q without the siblings before it;
+    - None (deterministic): the candidates were chosen, not drawn (head top-k, n-grams,
+      beams); each sibling's proposal q_j is a point mass on its own token.
 
-    At the current node with target distribution p and children x_1..x_m: accept x_j with
-    probability min(1, p(x_j) / q_j(x_j)) and descend into it; on rejection, p becomes the
-    residual norm(max(0, p - q_j)) and q_{j+1} is q_j without x_j, renormalised (the law of the
-    next sibling given the ones before). When every child is rejected, a recovered token is
-    drawn from the last residual; below an accepted leaf, a bonus token is drawn from p.
-    Each step is an exact speculative-sampling step against the current residual, so every
-    emitted token follows the target's distribution. A chain is ordinary speculative sampling.
+    At the current node with target distribution p: accept child x_j with probability
+    min(1, p(x_j) / q_j(x_j)) and descend into it; on rejection, p becomes the residual
+    norm(max(0, p - q_j)) and the next sibling is tried. When every child is rejected, a
+    recovered token is drawn from the last residual; below an accepted leaf, a bonus token is
+    drawn from p. Each step is an exact speculative-sampling step against the current
+    residual, so every emitted token follows the target's distribution. A chain is ordinary
+    speculative sampling.
+
+    Deterministic example: p = (0.5, 0.3, 0.2) and candidates 1 then 0 under the root. Token 1
+    is accepted with probability 0.3; otherwise p becomes (5/7, 0, 2/7) and token 0 is accepted
+    with probability 5/7; otherwise token 2 is emitted. P(1) = 0.3, P(0) = 0.7 * 5/7 = 0.5,
+    P(2) = 0.7 * 2/7 = 0.2: exactly p.
     """
     children = tree.children()
     out: list[int] = []
@@ -131,13 +143,17 @@ def accept_rejection_tree(
     while True:
         p = target_probs_[node + 1]
         kids = children.get(node, [])
-        q = draft_probs[kids[0]].clone() if kids else None
+        q = draft_probs[kids[0]].clone() if kids and draft_probs is not None else None
         accepted = None
         for child in kids:
             x = tree.tokens[child]
-            if torch.rand((), generator=generator) * q[x] < p[x]:  # u < p(x)/q(x); q(x) > 0 as x ~ q
+            q_x = 1.0 if q is None else q[x]  # q(x) > 0: x was drawn from q
+            if torch.rand((), generator=generator) * q_x < p[x]:  # u < p(x) / q(x)
                 accepted = child
                 break
+            if q is None:
+                p = _residual(p, torch.nn.functional.one_hot(torch.tensor(x), p.shape[-1]).to(p.dtype))
+                continue
             p = _residual(p, q)
             q[x] = 0
             if q.sum() <= 0:  # the draft had no tokens left, so no later sibling can exist
@@ -148,6 +164,43 @@ def accept_rejection_tree(
             return out
         out.append(tree.tokens[accepted])
         node = accepted
+
+
+def accept_typical_tree(
+    tree: TokenTree,
+    target_probs_: torch.Tensor,
+    typical: TypicalAcceptance,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """Medusa's typical acceptance, LOSSY: the emitted tokens are not distributed as p.
+
+    A node x (under a parent whose target distribution is p) is acceptable when
+    p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p))). The longest path of
+    acceptable nodes from the root is accepted (the first such path in node order on ties),
+    then one token is sampled from the target's p after its last node.
+
+    >>> tree = TokenTree((1,), (-1,))  # one candidate, p(1) = 0.3 > min(0.09, 0.3 e^-H)
+    >>> accept_typical_tree(tree, torch.tensor([[0.5, 0.3, 0.2], [0., 0., 1.]]), TypicalAcceptance(), None)
+    [1, 2]
+    """
+    entropy = -(target_probs_ * target_probs_.clamp_min(1e-30).log()).sum(-1)
+    threshold = torch.minimum(torch.full_like(entropy, typical.posterior_threshold),
+                              typical.posterior_alpha * torch.exp(-entropy))
+    parents = tree.parents
+    acceptable_depth = [0] * len(tree)  # length of the acceptable path ending at each node (0: not)
+    for i, x in enumerate(tree.tokens):
+        p_row = parents[i] + 1
+        if target_probs_[p_row, x] > threshold[p_row] and (parents[i] < 0 or acceptable_depth[parents[i]]):
+            acceptable_depth[i] = 1 + (acceptable_depth[parents[i]] if parents[i] >= 0 else 0)
+    best = max(range(len(tree)), key=lambda i: (acceptable_depth[i], -i), default=None)
+    path: list[int] = []
+    node = best if best is not None and acceptable_depth[best] else -1
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    path.reverse()
+    last = path[-1] if path else -1
+    return [tree.tokens[i] for i in path] + [sample(target_probs_[last + 1], generator)]
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -143,6 +143,34 @@ def growth_for(k: int, tree: TreeSpec | None, min_confidence: float):
     return DynamicGrowth(tree) if tree.shape is None else StaticGrowth(tree)
 
 
+def grow_from_marginals(growth, candidates: Sequence[tuple[Sequence[int], Sequence[float]]]) -> TokenTree:
+    """Grow a tree whose candidates depend only on depth: `candidates[d]` is (token ids,
+    probabilities), most probable first, for every node at depth d + 1 (Medusa: head d's top
+    tokens, whatever the path above). Nodes below the last depth get no children.
+
+    >>> grow_from_marginals(ChainGrowth(3), [([5, 6], [0.9, 0.1]), ([7], [0.8])])
+    TokenTree(tokens=(5, 7), parents=(-1, 0))
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    depth_of = {-1: 0}
+    while True:
+        frontier = [n for n in growth.frontier() if depth_of[n] < len(candidates)]
+        if not frontier:
+            break
+        counts = growth.allocate({n: list(candidates[depth_of[n]][1][: growth.max_children]) for n in frontier})
+        if not counts:
+            break
+        for node in frontier:
+            ids, probs = candidates[depth_of[node]]
+            for rank in range(counts.get(node, 0)):
+                child = growth.add(node, float(probs[rank]))
+                tokens.append(int(ids[rank]))
+                parents.append(node)
+                depth_of[child] = depth_of[node] + 1
+    return TokenTree(tuple(tokens), tuple(parents))
+
+
 def shape_from_acceptance(rank_acceptance: Sequence[float], budget: int, depth: int) -> tuple[tuple[int, ...], ...]:
     """The static shape that maximises the expected accepted length for a node budget, when the
     draft's j-th ranked child is accepted with probability `rank_acceptance[j]` given that its

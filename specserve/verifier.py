@@ -1,32 +1,81 @@
-"""Target-side verification: score every request's draft in one forward pass, then accept."""
+"""Target-side verification: score every request's draft in one forward pass, then accept.
+
+With co-located heads (`heads`), the same pass also proposes: for each request that asks
+(`VerifyRequest.propose_next`), the hidden state of the row that produced its last token goes
+through the heads, and the next round's draft rides back on the result. One RPC, one target
+pass per round.
+"""
 
 from __future__ import annotations
 
+import torch
+
 from specserve.engine.torch_worker import ForwardItem, TorchWorker
-from specserve.protocol import SpecserveError, VerifyRequest, VerifyResult
-from specserve.sampling import accept_greedy_tree, accept_rejection_tree, densify, generator_for, target_probs
+from specserve.proposers import HiddenStateProposer
+from specserve.protocol import SAMPLED, ProposeRequest, SpecserveError, TokenTree, VerifyRequest, VerifyResult
+from specserve.sampling import (
+    accept_greedy_tree, accept_rejection_tree, accept_typical_tree, densify, generator_for, target_probs,
+)
 
 
 class Verifier:
-    def __init__(self, worker: TorchWorker):
+    def __init__(self, worker: TorchWorker, heads: HiddenStateProposer | None = None):
         self.worker = worker
+        self.heads = heads
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        logits = self.worker.forward([ForwardItem(r.request_id, r.token_ids, r.draft) for r in requests])
-        return [self._accept(r, rows) for r, rows in zip(requests, logits)]
+        if self.heads is None and any(r.propose_next is not None for r in requests):
+            raise SpecserveError("this target pool has no heads, so it cannot propose the next round")
+        rows = self.worker.run([ForwardItem(r.request_id, r.token_ids, r.draft) for r in requests])
+        results = [self._accept(r, out.logits) for r, out in zip(requests, rows)]
+        proposing = [i for i, r in enumerate(requests) if r.propose_next is not None]
+        if proposing:
+            hidden = torch.stack([rows[i].hidden[_last_row(requests[i].draft, results[i])] for i in proposing])
+            asks = [ProposeRequest.after(requests[i].request_id, requests[i].token_ids + results[i].tokens,
+                                         requests[i].params, requests[i].propose_next) for i in proposing]
+            for i, proposal in zip(proposing, self.heads.propose_from_hidden(asks, hidden)):
+                results[i].next_proposal = proposal
+        return results
 
-    def _accept(self, request: VerifyRequest, logits) -> VerifyResult:
+    def _accept(self, request: VerifyRequest, logits: torch.Tensor) -> VerifyResult:
         draft = request.draft
         if request.params.greedy:
             out = accept_greedy_tree(draft, logits)  # chains are one-branch trees
         else:
-            if len(draft) and (request.dists is None or request.dists.ids.shape[0] != len(draft)):
-                raise SpecserveError(f"request {request.request_id}: sampled drafts need one draft "
-                                     "distribution per node")
             p = target_probs(logits, request.params)
-            q = densify(request.dists, p.shape[-1]) if len(draft) else p[:0]
-            out = accept_rejection_tree(draft, q, p, generator_for(request.seed))
+            generator = generator_for(request.seed)
+            if request.typical is not None:  # opt-in, LOSSY
+                out = accept_typical_tree(draft, p, request.typical, generator)
+            else:
+                q = None
+                if request.law == SAMPLED and len(draft):
+                    q = densify(request.dists, p.shape[-1])
+                    check_sampled(draft, q, request.request_id)
+                out = accept_rejection_tree(draft, q, p, generator)
         return VerifyResult(request.request_id, len(out) - 1, out)
 
     def release(self, request_id: str) -> None:
         self.worker.release(request_id)
+
+
+def _last_row(draft: TokenTree, result: VerifyResult) -> int:
+    """The row whose logits produced the round's last token: the last accepted node's (row
+    node + 1), or the root's (row 0) when nothing was accepted."""
+    path = draft.path_of(result.tokens[: result.num_accepted])
+    return path[-1] + 1 if path else 0
+
+
+def check_sampled(tree: TokenTree, q: torch.Tensor, request_id: str) -> None:
+    """A sampled node must be possible under the distribution it claims it was drawn from, and
+    siblings drawn without replacement are distinct: catches a proposer that chose its nodes
+    (top-k) but sent them as sampled."""
+    for parent, kids in tree.children().items():
+        tokens = [tree.tokens[c] for c in kids]
+        if len(set(tokens)) != len(tokens):
+            raise SpecserveError(f"request {request_id}: sampled siblings must be distinct tokens "
+                                 "(drawn without replacement)")
+        for c in kids:
+            if not q[c, tree.tokens[c]] > 0:
+                raise SpecserveError(f"request {request_id}: draft node {c} has probability 0 under the "
+                                     "distribution it was sampled from; was it chosen rather than sampled? "
+                                     "Send it with law='deterministic'")

@@ -1,5 +1,7 @@
 """End-to-end exactness of speculative decoding on tiny random models (fp32)."""
 
+from dataclasses import replace
+
 import itertools
 
 import pytest
@@ -201,7 +203,7 @@ def test_greedy_tree_output_equals_target_alone(arch, spec):
     target = tiny_model(arch, seed=11)
     draft = perturbed(target, scale=0.15)
     decoder = make_decoder(target, draft, method="tree")
-    decoder.tree = TreeSpec(**TREE_SPECS[spec])
+    decoder.speculation = replace(decoder.speculation, tree=TreeSpec(**TREE_SPECS[spec]))
     outs = decoder.generate(PROMPTS, SamplingParams(max_tokens=24))  # a batch of four trees per round
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == hf_greedy(target, prompt, 24)
@@ -238,7 +240,7 @@ def test_sampled_tree_output_follows_the_target_distribution(spec):
     prompt = [1, 2, 3]
     exact = exact_two_token_distribution(target, prompt, params)
     decoder = make_decoder(target, draft, method="tree", top_m=64)
-    decoder.tree = TreeSpec(**spec)
+    decoder.speculation = replace(decoder.speculation, tree=TreeSpec(**spec))
     errors = [tv(empirical_two_token_distribution(decoder, prompt, params, n, seed_base=n), exact)
               for n in (500, 8000)]
     assert errors[1] < errors[0]
@@ -252,7 +254,7 @@ def test_identical_draft_tree_accepts_its_first_children():
 
     target = tiny_model("qwen2", seed=6)
     decoder = make_decoder(target, target, method="tree", top_m=97)
-    decoder.tree = TreeSpec(budget=12, depth=4, width=3, min_score=0.0)
+    decoder.speculation = replace(decoder.speculation, tree=TreeSpec(budget=12, depth=4, width=3, min_score=0.0))
     decoder.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=40, seed=0))
     stats = decoder.last_report.stats
     assert stats.num_accepted_tokens_per_rank[0] / stats.num_reached_tokens_per_rank[0] > 0.99
@@ -263,7 +265,7 @@ def test_same_seed_same_tree_output(qwen_pair):
 
     target, draft = qwen_pair
     decoder = make_decoder(target, draft, method="tree")
-    decoder.tree = TreeSpec(budget=12, depth=4, min_score=0.0)  # tiny random models are unsure of everything
+    decoder.speculation = replace(decoder.speculation, tree=TreeSpec(budget=12, depth=4, min_score=0.0))  # tiny random models are unsure of everything
     runs = [decoder.generate(PROMPTS, SamplingParams(temperature=0.8, max_tokens=20, seed=s)) for s in (3, 3, 4)]
     ids = [[o.token_ids for o in run] for run in runs]
     assert ids[0] == ids[1] and ids[0] != ids[2]

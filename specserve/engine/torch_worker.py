@@ -48,6 +48,19 @@ class ForwardItem:
 
 
 @dataclass
+class Rows:
+    """What a forward pass returns for one item: the rows `ForwardItem` describes.
+
+    logits: [rows, V] float32 on the CPU (acceptance runs there), truncated to the usable
+    vocabulary. hidden: [rows, hidden] the model's last hidden state (after its final norm,
+    what the lm_head reads and what Medusa-style heads read), on the model's device and dtype.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+@dataclass
 class _CacheEntry:
     kv: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim]
     tokens: list[int] = field(default_factory=list)  # ids whose keys/values fill slots [0, len)
@@ -249,11 +262,15 @@ class TorchWorker:
 
     # ---- the forward pass ----------------------------------------------------------------
 
-    @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
-        """Run every item's new tokens in one batched pass; returns logits [1 + len(tree), V]
-        per item, or the rows asked for by `logits_from` (float32 on the CPU, truncated to the
-        usable vocabulary)."""
+        """`run`, logits only."""
+        return [rows.logits for rows in self.run(items)]
+
+    @torch.inference_mode()
+    def run(self, items: list[ForwardItem]) -> list[Rows]:
+        """Run every item's new tokens in one batched pass; returns, per item, the logits and
+        last hidden states of rows [1 + len(tree)] (the last token, then each node), or of the
+        rows asked for by `logits_from`."""
         if len(items) != len({i.request_id for i in items}):
             raise SpecserveError("a request may appear only once per forward pass")
         plans = [self._plan(item) for item in items]
@@ -287,9 +304,11 @@ class TorchWorker:
         self.forward_passes += 1
 
         rows = [h[b, p.first_logit_row : len(p.input_ids)] for b, p in enumerate(plans)]
+        hidden = self.body.norm(torch.cat(rows))
         # Acceptance runs on the CPU with CPU generators: one transfer for the whole batch.
-        logits = self.model.lm_head(self.body.norm(torch.cat(rows)))[:, : self.vocab_size].float().cpu()
-        out = list(logits.split([r.shape[0] for r in rows]))
+        logits = self.model.lm_head(hidden)[:, : self.vocab_size].float().cpu()
+        sizes = [r.shape[0] for r in rows]
+        out = [Rows(lg, hd) for lg, hd in zip(logits.split(sizes), hidden.split(sizes))]
 
         for item, p in zip(items, plans):
             p.entry.tokens = list(item.token_ids)

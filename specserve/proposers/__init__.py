@@ -1,4 +1,14 @@
-"""Proposers: one module each, all behind `Proposer.propose(requests) -> proposals`."""
+"""Proposers: one module each.
+
+- Proposers with their own model (`draft_model.py`) run in a draft pool behind
+  `Proposer.propose(requests) -> proposals`.
+- Head proposers (`medusa.py`) run co-located with the target behind
+  `HiddenStateProposer.propose_from_hidden(requests, hidden) -> proposals`: the verify pass
+  hands them the target's last hidden state, so one target pass verifies and proposes.
+
+Every proposal states how its nodes were drawn (`Proposal.law`): sampled from a distribution
+sent along, or deterministic (a point mass on each candidate).
+"""
 
 from typing import Protocol
 
@@ -13,4 +23,11 @@ class Proposer(Protocol):
 
     def release(self, request_id: str) -> None:
         """Forget whatever is cached for the request."""
+        ...
+
+
+class HiddenStateProposer(Protocol):
+    def propose_from_hidden(self, requests: list[ProposeRequest], hidden) -> list[Proposal]:
+        """Draft tokens for each request from the target's last hidden state after its last
+        committed token (hidden: [len(requests), hidden_size])."""
         ...

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from specserve.engine.torch_worker import ForwardItem, TorchWorker
-from specserve.protocol import Proposal, ProposeRequest, SparseDist, TokenTree
+from specserve.protocol import DETERMINISTIC, SAMPLED, Proposal, ProposeRequest, SparseDist, TokenTree
 from specserve.sampling import generator_for, target_probs, truncate_top_m
 from specserve.trees import growth_for
 
@@ -109,11 +109,12 @@ class _Draft:
                     self.dists.append(dist)
 
     def proposal(self) -> Proposal:
+        """Greedy requests take the draft's top choices (deterministic); sampled requests drew
+        their nodes and send the distributions they drew them from."""
         tree = TokenTree(tuple(self.tokens), tuple(self.parents))
-        dists = None
-        if self.generator is not None:
-            dists = _stack(self.dists)
-        return Proposal(self.request.request_id, tree, dists)
+        if self.generator is None:
+            return Proposal(self.request.request_id, tree, DETERMINISTIC)
+        return Proposal(self.request.request_id, tree, SAMPLED, _stack(self.dists))
 
 
 def _stack(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> SparseDist:
