@@ -60,20 +60,21 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .decoder import SpeculativeDecoder
     from .loading import set_torch_threads
-    from .protocol import SamplingParams
-    from .request_state import DRAFT_METHODS, validate_speculation
+    from .protocol import DRAFT_POOL_PROPOSERS, SamplingParams, Speculation
 
-    method = args.method or ("draft" if args.draft else "none")
-    validate_speculation(method, args.k)  # fail before loading gigabytes
-    tree = _tree_spec(args)
-    if method in DRAFT_METHODS and not args.draft:
-        raise SpecserveError(f"--method {method} needs --draft MODEL (or use --method none)")
+    default = "draft" if args.draft else "medusa" if args.heads else "none"
+    spec = Speculation(proposer=default, k=args.k, tree=_tree_spec(args)).overridden(  # fail before loading gigabytes
+        method=args.method, proposer=args.proposer, shape=args.shape, acceptance=args.acceptance)
+    if spec.proposer in DRAFT_POOL_PROPOSERS and not args.draft:
+        raise SpecserveError(f"proposer {spec.proposer} needs --draft MODEL (or use --proposer none)")
+    heads = args.heads or ("default" if spec.co_located else None)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
     set_torch_threads(args.threads)
     decoder = SpeculativeDecoder.from_pretrained(
-        args.target, draft=args.draft if method != "none" else None, dtype=args.dtype, device=args.device,
-        method=method, k=args.k, tree=tree, draft_min_confidence=args.draft_confidence)
+        args.target, draft=args.draft if spec.proposer in DRAFT_POOL_PROPOSERS else None,
+        heads=heads if spec.co_located else None, dtype=args.dtype, device=args.device,
+        speculation=spec, draft_min_confidence=args.draft_confidence)
     prompts = args.prompt
     if args.chat:  # the template writes the special tokens itself
         tok = decoder.tokenizer
@@ -97,8 +98,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(o.text)
         print(f"--- finish_reason={o.finish_reason} tokens={len(o.token_ids)}")
     s = report.stats
-    shape = {"none": "", "draft": f" k={args.k}", "tree": f" tree={tree}"}[method]
-    print(f"method={method}{shape} dtype={args.dtype}")
+    print(f"speculation: {spec.describe()}  dtype={args.dtype}")
     print(f"tokens/s:                 {report.tokens_per_second:.2f}  ({s.generated_tokens} tokens in {report.seconds:.2f} s)")
     print(f"mean accepted length:     {s.mean_accepted_length:.2f}  (tokens per target step, bonus included)")
     print(f"acceptance rate:          {s.acceptance_rate:.3f}  ({s.num_accepted_tokens}/{s.num_draft_tokens} draft tokens)")
@@ -128,19 +128,27 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--prompt", action="append", required=True,
                    help="prompt text; repeat to decode several prompts as one batch")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the target's chat template")
-    p.add_argument("--method", choices=["draft", "tree", "none"], help="default: draft when --draft is given")
+    p.add_argument("--proposer", choices=["none", "draft", "medusa"],
+                   help="where drafts come from (default: draft with --draft, medusa with --heads, else none)")
+    p.add_argument("--shape", choices=["chain", "tree"], help="a chain of -k tokens (default) or a token tree")
+    p.add_argument("--method", choices=["draft", "tree", "none"],
+                   help="older spelling: draft = --proposer draft --shape chain, tree = --proposer draft --shape tree")
+    p.add_argument("--heads", help="Medusa heads from `specserve train-heads` (a directory; default with "
+                                   "--proposer medusa: $SPECSERVE_HOME/heads/<target>-medusa)")
+    p.add_argument("--acceptance", choices=["exact", "typical"],
+                   help="exact (default, lossless) or typical (Medusa's typical acceptance: LOSSY)")
     p.add_argument("-k", "--k", type=int, default=4, help="draft tokens per round (default 4)")
     defaults = TreeSpec()
     p.add_argument("--tree-budget", type=int, default=defaults.budget,
-                   help=f"--method tree: most draft nodes per round (default {defaults.budget})")
+                   help=f"--shape tree: most draft nodes per round (default {defaults.budget})")
     p.add_argument("--tree-depth", type=int, default=defaults.depth,
-                   help=f"--method tree: most levels per round (default {defaults.depth})")
+                   help=f"--shape tree: most levels per round (default {defaults.depth})")
     p.add_argument("--tree-width", type=int, default=defaults.width,
-                   help=f"--method tree: new nodes per level (default {defaults.width})")
+                   help=f"--shape tree: new nodes per level (default {defaults.width})")
     p.add_argument("--tree-min-score", type=float, default=defaults.min_score,
-                   help="--method tree: skip nodes whose path probability under the draft is lower "
+                   help="--shape tree: skip nodes whose path probability under the draft is lower "
                         f"(default {defaults.min_score})")
-    p.add_argument("--tree-shape", help="--method tree: a static shape, JSON paths of child ranks, "
+    p.add_argument("--tree-shape", help="--shape tree: a static shape, JSON paths of child ranks, "
                                         "e.g. '[[0], [1], [0, 0]]' (default: dynamic)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

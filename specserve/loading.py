@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -28,20 +27,9 @@ def eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def heads_dir_for(target: str, heads: str) -> Path:
-    """`heads` as given ("default": where `specserve train-heads` puts the target's heads)."""
-    from specserve.heads import default_heads_dir
-
-    return default_heads_dir(target) if heads == "default" else Path(heads)
-
-
-def missing_heads_message(target: str, directory: Path) -> str:
-    return (f"no Medusa heads for {target} at {directory}; train them with `make heads` (the default pair) "
-            f"or `specserve train-heads --method medusa --target {target} --out {directory}`")
-
-
 def load_medusa(target: str, heads: str, worker: TorchWorker, *, min_confidence: float = 0.0):
     """Medusa heads for a loaded target worker, on its device and dtype, as a proposer."""
+    from specserve.heads import heads_dir_for, missing_heads_message
     from specserve.heads.medusa import CONFIG_FILE, load_heads
     from specserve.proposers.medusa import MedusaProposer
 
@@ -74,6 +62,8 @@ def load_pair(target: str, draft: str | None = None, *, heads: str | None = None
               device: str = "cpu") -> LoadedPair:
     """Load the target (and draft, and heads) into torch workers. A draft that does not share
     the target's vocabulary is refused before any weights are loaded, and so are missing heads."""
+    from specserve.heads import heads_dir_for, missing_heads_message
+
     if heads is not None and not (heads_dir_for(target, heads) / "config.json").is_file():
         raise SpecserveError(missing_heads_message(target, heads_dir_for(target, heads)))
     from transformers import AutoConfig

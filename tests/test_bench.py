@@ -10,7 +10,7 @@ import pytest
 from conftest import perturbed, tiny_model
 from specserve import models
 from specserve.benchmarks import library, suite, systems, workloads
-from specserve.request_state import METHODS
+from specserve.protocol import LEGACY_METHODS
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -95,7 +95,7 @@ def test_bench_library_mode_end_to_end(tiny_pair, tmp_path, monkeypatch):
         assert by["transformers assisted", workload]["reference"] == "transformers target only"
         for name in ("vllm none", "vllm draft_model k=4", "vllm ngram k=4"):
             assert by[name, workload]["status"] == "cannot run" and "vLLM environment" in by[name, workload]["reason"]
-        if "tree" in METHODS:  # tree settings given as JSON reach the decoder as a TreeSpec
+        if "tree" in LEGACY_METHODS:  # tree settings given as JSON reach the decoder as a TreeSpec
             tree = by["specserve tree budget=4 depth=2", workload]
             assert tree["status"] == "ok" and tree["same_as_reference"] == 2, tree["reason"]
         unknown = by["specserve no-such-method", workload]

@@ -54,12 +54,13 @@ def _run_one(system: System, encoded: Encoded, pair, decoder, max_tokens: int, b
         bar.update(n_prompts)
         return _not_run(system, encoded, CANNOT_RUN, "needs a draft model (--draft)")
     if system.engine == "specserve":
-        from specserve.request_state import METHODS
+        from specserve.protocol import LEGACY_METHODS, PROPOSERS
 
-        if system.method not in METHODS:
+        known = set(LEGACY_METHODS) | set(PROPOSERS)
+        if system.method not in known:
             bar.update(n_prompts)
             return _not_run(system, encoded, CANNOT_RUN, f"method {system.method!r} is not in this specserve "
-                                                         f"(specserve.request_state.METHODS = {', '.join(METHODS)})")
+                                                         f"(known: {', '.join(sorted(known))})")
         options = dict(system.options)
         k = options.pop("k", None)
         if isinstance(options.get("tree"), dict):  # JSON settings (as a request sends them) -> TreeSpec

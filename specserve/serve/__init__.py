@@ -3,6 +3,9 @@
     DraftPool  (small model, own replicas)  \\
                                              Router (HTTP ingress, owns requests, drives rounds)
     TargetPool (large model, own replicas)  /
+
+With `target.heads` the target pool is a CoLocatedPool (target + Medusa heads in one replica);
+a draft pool is then optional.
 """
 
 from __future__ import annotations
@@ -40,6 +43,32 @@ def check_vocabularies(args: AppArgs) -> None:
     check_same_vocabulary(target, draft)
 
 
+def check_heads(args: AppArgs) -> None:
+    """Refuse, when the app is built, heads that are missing or made for another model: a
+    replica that cannot load them would only crash-loop."""
+    import json
+    from pathlib import Path
+
+    from specserve.heads import heads_dir_for, missing_heads_message
+    from specserve.models import is_hub_id, resolve
+
+    if args.target.heads is None:
+        return
+    directory = heads_dir_for(args.target.model, args.target.heads)
+    if not (directory / "config.json").is_file():
+        raise SpecserveError(missing_heads_message(args.target.model, directory))
+    heads = json.loads((directory / "config.json").read_text())
+    if is_hub_id(args.target.model):
+        return  # the target's config is fetched by the replicas; they compare shapes at load
+    config = json.loads((Path(resolve(args.target.model, pull_missing=False)) / "config.json").read_text())
+    text = config.get("text_config", config)
+    if (heads.get("hidden_size"), heads.get("vocab_size")) != (text.get("hidden_size"), text.get("vocab_size")):
+        raise SpecserveError(
+            f"the heads at {directory} were trained for a model with hidden size {heads.get('hidden_size')} and "
+            f"{heads.get('vocab_size')} tokens; {args.target.model} has {text.get('hidden_size')} and "
+            f"{text.get('vocab_size')}: train heads for this target with `specserve train-heads`")
+
+
 def _pool_options(name: str, pool: PoolArgs) -> dict:
     return {
         "name": name,
@@ -50,12 +79,14 @@ def _pool_options(name: str, pool: PoolArgs) -> dict:
 
 def build_app(args: dict | AppArgs) -> Application:
     """Build the specserve application from typed, cross-validated arguments."""
-    from specserve.serve.pools import DraftPool, TargetPool
+    from specserve.serve.pools import CoLocatedPool, DraftPool, TargetPool
     from specserve.serve.router import Router
 
     config = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     check_vocabularies(config)
-    target = TargetPool.options(**_pool_options("TargetPool", config.target)).bind(config.target.model_dump())
+    check_heads(config)
+    pool, name = (CoLocatedPool, "CoLocatedPool") if config.target.heads is not None else (TargetPool, "TargetPool")
+    target = pool.options(**_pool_options(name, config.target)).bind(config.target.model_dump())
     draft = None
     if config.draft is not None:
         draft = DraftPool.options(**_pool_options("DraftPool", config.draft)).bind(

@@ -9,8 +9,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specserve.protocol import MAX_K, MAX_TREE_NODES, SpecserveError, TreeSpec
-from specserve.request_state import DRAFT_METHODS, METHODS
+from specserve.protocol import (
+    ACCEPTANCES, DRAFT_POOL_PROPOSERS, HEAD_PROPOSERS, LEGACY_METHODS, MAX_K, MAX_TREE_NODES, PROPOSERS, SHAPES,
+    Speculation, SpecserveError, TreeSpec, TypicalAcceptance,
+)
 
 
 class _Strict(BaseModel):
@@ -42,6 +44,9 @@ class PoolArgs(_DeploymentArgs):
     engine: Literal["torch", "vllm"] = Field(
         "torch", description="torch: specserve's own engine (CPU, one GPU). vllm: not implemented yet")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="engine-specific options")
+    heads: str | None = Field(None, description="target only: Medusa heads trained by `specserve train-heads` "
+                              "(a directory, or 'default' for $SPECSERVE_HOME/heads/<model>-medusa); the target "
+                              "pool then becomes a co-located pool that verifies and proposes in one pass")
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     device: str = "cpu"
     torch_threads: int | None = Field(None, ge=1, description="torch threads per replica (default: num_cpus)")
@@ -87,18 +92,52 @@ class TreeArgs(_Strict):
         return TreeSpec(**self.model_dump())  # TreeSpec turns the shape's lists into tuples
 
 
-class SpeculationArgs(_Strict):
-    """Deployment-wide defaults; a request may override method and k."""
+class TypicalArgs(_Strict):
+    """Medusa's typical acceptance (LOSSY; used only with `acceptance: typical`)."""
 
-    method: Literal[METHODS] = "draft"  # type: ignore[valid-type]
-    k: int = Field(4, ge=0, le=MAX_K)
+    posterior_threshold: float = Field(TypicalAcceptance.posterior_threshold, gt=0, le=1)
+    posterior_alpha: float = Field(TypicalAcceptance.posterior_alpha, gt=0, le=1)
+
+
+class SpeculationArgs(_Strict):
+    """Deployment-wide defaults; a request may override any of proposer, shape, k, tree and
+    acceptance (`"speculation"` in the request body)."""
+
+    proposer: Literal[PROPOSERS] = Field("draft", description="none | draft (a draft pool) | medusa (heads on "  # type: ignore[valid-type]
+                                         "the target, co-located)")
+    shape: Literal[SHAPES] = Field("chain", description="chain (k tokens) | tree (dynamic, or static "  # type: ignore[valid-type]
+                                   "when tree.shape is set)")
+    k: int = Field(4, ge=0, le=MAX_K, description="chain length")
     tree: TreeArgs = Field(default_factory=TreeArgs)
+    acceptance: Literal[ACCEPTANCES] = Field("exact", description="exact (lossless) | typical (Medusa's "  # type: ignore[valid-type]
+                                             "typical acceptance: LOSSY, opt-in)")
+    typical: TypicalArgs = Field(default_factory=TypicalArgs)
     draft_min_confidence: float = Field(0.5, ge=0, le=1)
     draft_top_m: int = Field(256, ge=1)
     # A draft pool slower than this for a round is skipped: the round runs target-only.
     draft_timeout_s: float = Field(5.0, gt=0)
     # After a draft failure, rounds run target-only for this long before trying the draft again.
     draft_retry_after_s: float = Field(2.0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_method(cls, data):
+        """`method: none | draft | tree` is the older spelling of proposer + shape."""
+        if isinstance(data, dict) and "method" in data:
+            data = dict(data)
+            method = data.pop("method")
+            if "proposer" in data or "shape" in data:
+                raise ValueError("give `proposer` and `shape`, or the older `method`, not both "
+                                 "(method: tree = proposer: draft + shape: tree)")
+            if method not in LEGACY_METHODS:
+                raise ValueError(f"unknown speculation method {method!r}; write `proposer` "
+                                 f"({', '.join(PROPOSERS)}) and `shape` ({', '.join(SHAPES)}) instead")
+            data["proposer"], data["shape"] = LEGACY_METHODS[method]
+        return data
+
+    def spec(self) -> Speculation:
+        return Speculation(proposer=self.proposer, shape=self.shape, k=self.k, tree=self.tree.spec(),
+                           acceptance=self.acceptance, typical=TypicalAcceptance(**self.typical.model_dump()))
 
 
 class RouterArgs(_DeploymentArgs):
@@ -125,9 +164,15 @@ class AppArgs(_Strict):
 
     @model_validator(mode="after")
     def _cross_field(self) -> AppArgs:
-        if self.speculation.method in DRAFT_METHODS and self.draft is None:
-            raise ValueError(f"speculation.method {self.speculation.method!r} needs a draft pool: "
-                             "add `draft:` or use method 'none'")
+        proposer = self.speculation.proposer
+        if proposer in DRAFT_POOL_PROPOSERS and self.draft is None:
+            raise ValueError(f"speculation.proposer {proposer!r} needs a draft pool: add `draft:`, "
+                             "or use proposer 'none' (or 'medusa' with `target.heads`)")
+        if proposer in HEAD_PROPOSERS and self.target.heads is None:
+            raise ValueError(f"speculation.proposer {proposer!r} needs heads on the target: set `target.heads` "
+                             "to a directory written by `specserve train-heads` (or 'default')")
+        if self.draft is not None and self.draft.heads is not None:
+            raise ValueError("heads belong to the target pool (`target.heads`), not the draft pool")
         return self
 
     @property

@@ -9,8 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specserve.protocol import MAX_K, SamplingParams, TreeSpec
-from specserve.request_state import METHODS
+from specserve.protocol import ACCEPTANCES, MAX_K, PROPOSERS, SHAPES, SamplingParams, Speculation, TreeSpec
 
 
 class TreeOverride(BaseModel):
@@ -28,14 +27,34 @@ class TreeOverride(BaseModel):
         return replace(spec, **self.model_dump(exclude_unset=True))
 
 
+class TypicalOverride(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    posterior_threshold: float | None = Field(None, gt=0, le=1)
+    posterior_alpha: float | None = Field(None, gt=0, le=1)
+
+
 class SpeculationOverride(BaseModel):
-    """specserve extension: per-request speculation, e.g. {"method": "none"}, {"k": 2} or
-    {"method": "tree", "tree": {"budget": 8, "depth": 4}}."""
+    """specserve extension: per-request speculation, e.g. {"proposer": "none"}, {"k": 2},
+    {"proposer": "draft", "shape": "tree", "tree": {"budget": 8, "depth": 4}} or
+    {"proposer": "medusa", "acceptance": "typical"} (lossy). `method` (none | draft | tree) is
+    the older spelling of proposer + shape."""
 
     model_config = ConfigDict(extra="forbid")
-    method: Literal[METHODS] | None = None  # type: ignore[valid-type]
+    method: str | None = Field(None, description="older spelling: none | draft | tree")
+    proposer: Literal[PROPOSERS] | None = None  # type: ignore[valid-type]
+    shape: Literal[SHAPES] | None = None  # type: ignore[valid-type]
     k: int | None = Field(None, ge=0, le=MAX_K)
     tree: TreeOverride | None = None
+    acceptance: Literal[ACCEPTANCES] | None = None  # type: ignore[valid-type]
+    typical: TypicalOverride | None = None
+
+    def apply_to(self, spec: Speculation) -> Speculation:
+        """The deployment's speculation with this request's settings; checks the ranges."""
+        tree = self.tree.apply_to(spec.tree) if self.tree is not None else None
+        spec = spec.overridden(method=self.method, proposer=self.proposer, shape=self.shape, k=self.k,
+                               acceptance=self.acceptance,
+                               typical=self.typical.model_dump(exclude_none=True) if self.typical else None)
+        return replace(spec, tree=tree) if tree is not None else spec
 
 
 class StreamOptions(BaseModel):

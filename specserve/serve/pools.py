@@ -1,5 +1,7 @@
-"""Model pool deployments: DraftPool and TargetPool, each an autoscaled pool of replicas that
-each hold one engine worker and the KV caches of the requests routed to it.
+"""Model pool deployments: DraftPool, TargetPool and CoLocatedPool, each an autoscaled pool of
+replicas that each hold one engine worker and the KV caches of the requests routed to it.
+CoLocatedPool is a TargetPool whose replicas also hold heads (Medusa): its verify pass returns
+the next round's proposal too.
 
 Thin Ray Serve glue: the engine is built by `build_engine` (injectable for tests), and all
 model work happens in the worker, in a thread, one batch at a time. Calls that arrive while a
@@ -154,13 +156,18 @@ class DraftPool(_Pool):
         return await self.batcher.submit(request)
 
 
-@serve.deployment
-class TargetPool(_Pool):
+class _Verifying(_Pool):
+    """A replica that holds the target and verifies (TargetPool, CoLocatedPool)."""
+
     def __init__(self, pool_args: dict[str, Any], build_engine: Callable | None = None):
         super().__init__(pool_args, build_engine)
         from specserve.verifier import Verifier
 
-        self.verifier = Verifier(self.worker)
+        self.verifier = Verifier(self.worker, self._heads())
+
+    def _heads(self):
+        """Heads that propose from the verify pass (CoLocatedPool); none here."""
+        return None
 
     def _batch_fn(self):
         return self.verifier.verify
@@ -176,3 +183,23 @@ class TargetPool(_Pool):
         from specserve.loading import eos_ids
 
         return eos_ids(self.worker.model, None)
+
+
+@serve.deployment
+class TargetPool(_Verifying):
+    """The target alone: verifies drafts proposed elsewhere (a draft pool), or decodes alone."""
+
+
+@serve.deployment
+class CoLocatedPool(_Verifying):
+    """The target and its heads in one replica: one batched forward pass per round verifies
+    every request's tree and, from the same pass's hidden states, proposes each request's next
+    tree (`VerifyRequest.propose_next` -> `VerifyResult.next_proposal`)."""
+
+    def _heads(self):
+        from specserve.loading import load_medusa
+
+        heads = load_medusa(self.args["model"], self.args["heads"], self.worker)
+        logger.info("CoLocatedPool: %d Medusa heads over %d tokens", heads.num_heads,
+                    heads.heads.config.head_vocab_size)
+        return heads

@@ -28,8 +28,10 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specserve.protocol import Proposal, ProposeRequest, SpecserveError, VerifyRequest, VerifyResult
-from specserve.request_state import DRAFT_METHODS, RequestState
+from specserve.protocol import (
+    DRAFT_POOL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, VerifyRequest, VerifyResult,
+)
+from specserve.request_state import RequestState
 from specserve.serve.config import AppArgs
 from specserve.serve.openai_api import (
     ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage,
@@ -114,8 +116,8 @@ class TextStream:
 class Router:
     def __init__(self, target: DeploymentHandle, draft: DeploymentHandle | None, args: dict):
         self.args = AppArgs.model_validate(args)
-        self.spec = self.args.speculation
-        self.tree = self.spec.tree.spec()
+        self.spec = self.args.speculation  # pool settings: draft timeouts
+        self.speculation = self.spec.spec()  # the deployment's default Speculation
         self.target = target
         self.draft = draft
         self.codec = TextCodec.for_model(self.args.target.model)
@@ -189,8 +191,10 @@ class Router:
         try:
             while not state.finished:
                 started = time.perf_counter()
-                propose = state.propose_request()
-                proposal = await self._propose(propose) if propose.k > 0 else None
+                if state.needs_proposer:  # a draft pool's round
+                    proposal = await self._propose(state.propose_request())
+                else:  # co-located heads proposed it in the previous verify pass (or no speculation)
+                    proposal = state.proposal_in_hand()
                 verify = state.verify_request(proposal)
                 result = await self._verify(verify)
                 compute = result.compute_s + (proposal.compute_s if proposal is not None else 0.0)
@@ -207,20 +211,26 @@ class Router:
         if body.model != self.args.served_name:
             raise ModelNotFound(f"model {body.model!r} is not served here; this server serves {self.args.served_name!r}")
         info = await self._model_info()
-        method, k, tree = self.spec.method, self.spec.k, self.tree
+        speculation = self.speculation
         if body.speculation is not None:
-            method = body.speculation.method or method
-            k = body.speculation.k if body.speculation.k is not None else k
-            if body.speculation.tree is not None:
-                tree = body.speculation.tree.apply_to(tree)
-        if method in DRAFT_METHODS and self.draft is None:
-            raise SpecserveError("this deployment has no draft pool: use speculation method 'none'")
+            speculation = body.speculation.apply_to(speculation)
+        if speculation.proposer in DRAFT_POOL_PROPOSERS and self.draft is None:
+            raise SpecserveError(f"this deployment has no draft pool for proposer {speculation.proposer!r}: "
+                                 f"use {', '.join(repr(p) for p in self._proposers())}")
+        if speculation.co_located and self.args.target.heads is None:
+            raise SpecserveError(f"this deployment's target has no heads for proposer {speculation.proposer!r}: "
+                                 f"use {', '.join(repr(p) for p in self._proposers())}")
         if any(t < 0 or t >= self.codec.tokenizer.get_vocab_size(with_added_tokens=True) for t in prompt_ids):
             raise SpecserveError("the prompt contains token ids outside the vocabulary")
         return RequestState(
-            uuid.uuid4().hex, prompt_ids, body.sampling_params(self.args.max_tokens_default), method, k,
-            frozenset(info["eos_token_ids"]), info["max_context"], tree=tree, prefill_without_draft=True,
+            uuid.uuid4().hex, prompt_ids, body.sampling_params(self.args.max_tokens_default), speculation,
+            frozenset(info["eos_token_ids"]), info["max_context"], prefill_without_draft=True,
         )
+
+    def _proposers(self) -> list[str]:
+        """The proposers this deployment can serve."""
+        return ["none"] + (["draft"] if self.draft is not None else []) + (
+            ["medusa"] if self.args.target.heads is not None else [])
 
     def _text(self, state: RequestState) -> str:
         return state.stop_text if state.stop_text is not None else self.codec.decode(state.output_ids)
@@ -268,7 +278,7 @@ class Router:
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": self.args.served_name, "choices": [choice],
-            "usage": usage(len(state.prompt_ids), len(state.output_ids), state.stats.as_dict()),
+            "usage": usage(len(state.prompt_ids), len(state.output_ids), state.usage_stats()),
         }
 
     async def _sse(self, body, state: RequestState, chat: bool, rid: str, created: int) -> AsyncIterator[str]:
@@ -300,6 +310,6 @@ class Router:
         if body.stream_options is not None and body.stream_options.include_usage:
             yield "data: " + json.dumps({
                 "id": rid, "object": obj, "created": created, "model": self.args.served_name, "choices": [],
-                "usage": usage(len(state.prompt_ids), len(state.output_ids), state.stats.as_dict()),
+                "usage": usage(len(state.prompt_ids), len(state.output_ids), state.usage_stats()),
             }) + "\n\n"
         yield "data: [DONE]\n\n"

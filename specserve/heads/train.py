@@ -1,0 +1,547 @@
+"""Train Medusa heads on a target by distillation from the target itself (Medusa-2 weighting).
+
+1. The target reads the training text once; its last hidden states (after the final norm, what
+   the serving worker feeds the heads) and its greedy next tokens are cached on disk under
+   `out_dir/cache/`, keyed by the target, the data options and the dtype, so a second run or a
+   resumed one skips this, the slow part.
+2. Head i at position t learns the target's distribution of token t+i+2, which is
+   softmax(lm_head(h_{t+i+1})) over the `token_map` rows: the teacher costs one matrix product
+   on cached states. Loss = sum_i 0.8^i * cross-entropy(teacher, head i).
+3. Held-out accuracy: head i's argmax against the target's greedy token at t+i+2, on HumanEval
+   problems the benchmarks use (never trained on), before and after training.
+
+    >>> result = train_medusa("smollm2-135m-instruct", tmp / "heads", quick_options())  # doctest: +SKIP
+    >>> result.report["heldout_accuracy_after"]                                        # doctest: +SKIP
+    [0.41, 0.2]
+
+Files in `out_dir`: the heads (`MedusaHeads.save`: config.json, medusa.safetensors, vllm/),
+train_report.json, checkpoint.pt (to resume) and cache/.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from specserve.heads.medusa import CONFIG_FILE, MedusaConfig, MedusaHeads
+from specserve.protocol import SpecserveError
+
+CHECKPOINT_FILE = "checkpoint.pt"
+REPORT_FILE = "train_report.json"
+CACHE_DIR = "cache"
+PLANNED_METHODS = ("hydra", "redrafter")
+MAX_FULL_HEAD_VOCAB = 65536  # larger vocabularies get a token map of TRUNCATED_HEAD_VOCAB ids
+TRUNCATED_HEAD_VOCAB = 32768
+EVAL_BATCH = 1024  # positions per evaluation batch
+
+Log = Callable[[str], object]
+
+
+@dataclass
+class TrainOptions:
+    """What to train. Defaults fit qwen2.5-coder-1.5b-instruct on a 2-core CPU in under an hour
+    (`make heads`); `quick_options()` is a two-minute run for tests."""
+
+    method: str = "medusa"
+    num_heads: int = 4
+    num_layers: int = 1
+    steps: int = 600
+    lr: float = 1e-3
+    batch_size: int = 256  # positions per step
+    seq_len: int = 256  # tokens per forward pass while caching hidden states (KV carried over)
+    max_tokens: int = 60_000  # training text budget, in target tokens
+    eval_tokens: int = 2048  # held-out text budget
+    head_vocab_size: int | None = None  # None: the full vocabulary up to 65536, else 32768
+    own_lm_head: bool = False  # train a copy of the lm_head per head (large: slow on CPU)
+    seed: int = 0
+    dtype: str = "bfloat16"  # the target's dtype while caching; heads train in float32
+    warmup_steps: int | None = None  # None: 5% of the steps, at most 100
+    loss_decay: float = 0.8  # head i's loss weight is loss_decay ** i
+    weight_decay: float = 0.0
+    # How to run, not what to train: a resumed run may change these.
+    device: str | None = None  # None: "cuda" when available, else "cpu"
+    threads: int | None = None  # torch CPU threads (None: torch's default)
+    checkpoint_every: int = 100
+    progress: bool = True
+
+    RUNTIME = ("device", "threads", "checkpoint_every", "progress")
+
+    def resumable(self) -> dict:
+        """The options a resumed run must share with the interrupted one."""
+        return {k: v for k, v in asdict(self).items() if k not in self.RUNTIME}
+
+    def resolved_device(self) -> str:
+        return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    def resolved_warmup(self) -> int:
+        return self.warmup_steps if self.warmup_steps is not None else min(100, max(1, self.steps // 20))
+
+
+def quick_options(**overrides) -> TrainOptions:
+    """A short run (about a minute for smollm2-135m-instruct on 2 CPU cores) whose heads
+    clearly beat untrained ones: for tests and smoke runs."""
+    base = TrainOptions(num_heads=2, steps=120, batch_size=128, max_tokens=12_000, eval_tokens=1024,
+                        head_vocab_size=8192, warmup_steps=10, checkpoint_every=1000, lr=3e-3)
+    return replace(base, **overrides)
+
+
+@dataclass
+class TrainResult:
+    heads: MedusaHeads
+    out_dir: Path
+    step: int  # steps done; < options.steps when stopped early (`stop_at`)
+    report: dict | None  # train_report.json's content; None when stopped early
+
+
+def validate_options(options: TrainOptions) -> None:
+    """Refuse bad options before anything is loaded."""
+    if options.method in PLANNED_METHODS:
+        raise SpecserveError(f"head method {options.method!r} is not built yet; only medusa")
+    if options.method != "medusa":
+        raise SpecserveError(f"unknown head method {options.method!r}; only medusa")
+    for name in ("steps", "num_heads", "num_layers", "batch_size", "seq_len", "max_tokens", "eval_tokens",
+                 "checkpoint_every"):
+        if getattr(options, name) < 1:
+            raise SpecserveError(f"{name} must be >= 1, got {getattr(options, name)}")
+    if not options.lr > 0:
+        raise SpecserveError(f"lr must be > 0, got {options.lr}")
+    if options.head_vocab_size is not None and options.head_vocab_size < 1:
+        raise SpecserveError(f"head_vocab_size must be >= 1, got {options.head_vocab_size}")
+    if options.warmup_steps is not None and not 0 <= options.warmup_steps <= options.steps:
+        raise SpecserveError(f"warmup_steps must be in [0, steps], got {options.warmup_steps}")
+    from specserve.models import parse_dtype
+
+    try:
+        parse_dtype(options.dtype)
+    except ValueError as exc:
+        raise SpecserveError(str(exc)) from None
+
+
+def check_supported(config) -> None:
+    """The heads serve on the torch engine: refuse a target it cannot run."""
+    from specserve.engine.torch_worker import SUPPORTED_MODEL_TYPES
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise SpecserveError(f"the torch engine supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, "
+                             f"not {model_type!r}: no heads for it")
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise SpecserveError("the torch engine does not support sliding-window attention: no heads for this target")
+
+
+# ---- the target ----------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    model: object  # a causal LM: .model (decoder body) and .lm_head
+    tokenizer: object | None
+    name: str
+    fingerprint: str  # changes whenever the weights may have
+
+
+def load_target(target, options: TrainOptions, device: str) -> Target:
+    """A registry name, local directory or Hub id (loaded in options.dtype), or a model object
+    (used as it is: tests pass tiny random models)."""
+    if not isinstance(target, (str, os.PathLike)):
+        check_supported(target.config)
+        return Target(target, None, type(target).__name__, _weights_fingerprint(target))
+    from transformers import AutoConfig
+
+    from specserve import models
+
+    path = models.resolve(target)
+    check_supported(AutoConfig.from_pretrained(path))  # before loading gigabytes
+    model = models.load_causal_lm(target, dtype=options.dtype, device=device)
+    return Target(model, models.load_tokenizer(target), str(target), _directory_fingerprint(Path(path)))
+
+
+def _directory_fingerprint(path: Path) -> str:
+    """A converted registry model's marker holds its source sha256; otherwise names, sizes and
+    modification times of the checkpoint files."""
+    from specserve.models import MARKER
+
+    if (path / MARKER).is_file():
+        return (path / MARKER).read_text().strip()
+    if not path.is_dir():  # a Hub id
+        return str(path)
+    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.iterdir()) if p.is_file()]
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
+
+
+def _weights_fingerprint(model) -> str:
+    digest = hashlib.sha256(model.config.to_json_string().encode())
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# ---- hidden-state cache --------------------------------------------------------------------
+
+
+def cache_key(target: Target, options: TrainOptions, train_ids: Sequence[Sequence[int]],
+              eval_ids: Sequence[Sequence[int]], dtype: torch.dtype) -> str:
+    digest = hashlib.sha256(json.dumps({
+        "target": target.fingerprint, "dtype": str(dtype), "seq_len": options.seq_len,
+        "train": hashlib.sha256(json.dumps(list(map(list, train_ids))).encode()).hexdigest(),
+        "eval": hashlib.sha256(json.dumps(list(map(list, eval_ids))).encode()).hexdigest(),
+    }, sort_keys=True).encode())
+    return digest.hexdigest()[:20]
+
+
+@torch.inference_mode()
+def compute_hidden_states(model, sequences: Sequence[Sequence[int]], seq_len: int, *,
+                          progress: bool = True, desc: str = "hidden states") -> dict[str, torch.Tensor]:
+    """The target's last hidden states and greedy next tokens for every position.
+
+    Each sequence is read in chunks of `seq_len` tokens with the KV cache carried over (memory
+    stays bounded, every position still sees its whole prefix). Returns, over all N positions:
+    hidden [N, H] (target dtype, on the CPU), greedy [N] (argmax of the full lm_head), tokens [N]
+    and offsets [S + 1] (sequence s is rows offsets[s]:offsets[s+1]).
+    """
+    from tqdm import tqdm
+
+    device = next(model.parameters()).device
+    hidden, greedy = [], []
+    total = sum(map(len, sequences))
+    with tqdm(total=total, unit="tok", unit_scale=True, desc=desc, disable=not progress, dynamic_ncols=True) as bar:
+        for seq in sequences:
+            past = None
+            for start in range(0, len(seq), seq_len):
+                ids = torch.tensor([list(seq[start:start + seq_len])], device=device)
+                out = model.model(input_ids=ids, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                h = out.last_hidden_state[0]
+                greedy.append(model.lm_head(h).argmax(-1).cpu())
+                hidden.append(h.cpu())
+                bar.update(ids.shape[1])
+    lengths = torch.tensor([0] + [len(s) for s in sequences])
+    return {"hidden": torch.cat(hidden), "greedy": torch.cat(greedy),
+            "tokens": torch.tensor([t for s in sequences for t in s], dtype=torch.long),
+            "offsets": lengths.cumsum(0)}
+
+
+def load_or_build_cache(path: Path, build: Callable[[], dict[str, torch.Tensor]], log: Log) -> tuple[dict, float]:
+    """The cached tensors at `path`, built and saved first when missing. Returns them and the
+    seconds spent building (0 when reused)."""
+    from safetensors.torch import load_file, save_file
+
+    if path.is_file():
+        log(f"hidden states: reusing {path}")
+        return load_file(str(path)), 0.0
+    start = time.perf_counter()
+    tensors = build()
+    seconds = time.perf_counter() - start
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)  # a cache file is complete or absent
+    return tensors, seconds
+
+
+# ---- pieces of the training step -----------------------------------------------------------
+
+
+def default_head_vocab(vocab_size: int) -> int:
+    return vocab_size if vocab_size <= MAX_FULL_HEAD_VOCAB else TRUNCATED_HEAD_VOCAB
+
+
+def choose_token_map(tokens: torch.Tensor, greedy: torch.Tensor, vocab_size: int, head_vocab: int) -> torch.Tensor:
+    """The `head_vocab` most frequent ids among the training tokens and the target's greedy
+    predictions (ties: lower id first), sorted."""
+    if head_vocab >= vocab_size:
+        return torch.arange(vocab_size)
+    counts = torch.bincount(tokens, minlength=vocab_size) + torch.bincount(greedy, minlength=vocab_size)
+    order = torch.argsort(-counts[:vocab_size], stable=True)
+    return order[:head_vocab].sort().values
+
+
+def usable_positions(offsets: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Positions t whose every head has a teacher: t + num_heads is in the same sequence."""
+    ranges = [torch.arange(int(s), int(e) - num_heads) for s, e in zip(offsets[:-1], offsets[1:])
+              if int(e) - int(s) > num_heads]
+    return torch.cat(ranges) if ranges else torch.zeros(0, dtype=torch.long)
+
+
+def gather_rows(hidden: torch.Tensor, positions: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[B, num_heads + 1, H]: h_t, h_{t+1}, ..., h_{t+num_heads} for each position t."""
+    return hidden[positions[:, None] + torch.arange(num_heads + 1)]
+
+
+def distillation_loss(heads: MedusaHeads, rows: torch.Tensor, teacher_weight: torch.Tensor,
+                      decay: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rows: [B, K + 1, H] from `gather_rows`; teacher_weight: [head_vocab, H], the lm_head's
+    token_map rows. Head i learns softmax(h_{t+i+1} @ teacher_weight.T), the target's
+    distribution of token t+i+2 restricted to the map.
+    Returns (weighted loss, per-head loss [K], per-head top-1 agreement with the teacher [K])."""
+    num_heads = heads.config.num_heads
+    with torch.no_grad():  # in the cache dtype: cheap, and the heads serve in it anyway
+        teacher = (rows[:, 1:].to(teacher_weight.dtype) @ teacher_weight.T).float().softmax(-1).transpose(0, 1)
+    student = heads(rows[:, 0].float()).float().log_softmax(-1)  # [K, B, head_vocab]
+    per_head = -(teacher * student).sum(-1).mean(-1)
+    weights = decay ** torch.arange(num_heads, dtype=torch.float32, device=per_head.device)
+    agree = (student.argmax(-1) == teacher.argmax(-1)).float().mean(-1)
+    return (weights * per_head).sum(), per_head.detach(), agree
+
+
+@torch.no_grad()
+def heldout_accuracy(heads: MedusaHeads, hidden: torch.Tensor, greedy: torch.Tensor, offsets: torch.Tensor,
+                     device: str) -> list[float]:
+    """Per head, how often its argmax (through token_map) is the target's greedy token at t+i+2,
+    i.e. greedy[t + i + 1], over every usable position of the held-out text."""
+    num_heads = heads.config.num_heads
+    positions = usable_positions(offsets, num_heads)
+    if len(positions) == 0:
+        return [0.0] * num_heads
+    hits = torch.zeros(num_heads)
+    shifts = torch.arange(1, num_heads + 1)
+    for batch in positions.split(EVAL_BATCH):
+        logits = heads(hidden[batch].to(device).float())  # [K, B, head_vocab]
+        guess = heads.token_map[logits.argmax(-1)].cpu()  # [K, B]
+        truth = greedy[batch[None, :] + shifts[:, None]]  # [K, B]
+        hits += (guess == truth).sum(-1)
+    return (hits / len(positions)).tolist()
+
+
+def lr_lambda(warmup: int, steps: int) -> Callable[[int], float]:
+    """Linear warmup to the full rate, then cosine decay to 0 at `steps`."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+    return factor
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # never a half-written checkpoint
+
+
+def load_checkpoint(path: Path, options: TrainOptions) -> dict:
+    if not path.is_file():
+        raise SpecserveError(f"nothing to resume: no checkpoint at {path}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state["options"] != options.resumable():
+        changed = sorted(k for k, v in options.resumable().items() if state["options"].get(k) != v)
+        raise SpecserveError(f"cannot resume {path}: it was trained with other options ({', '.join(changed)} "
+                             f"differ); use the same options, or --force to start over")
+    return state
+
+
+def check_out_dir(out_dir: Path, *, resume: bool, force: bool) -> None:
+    if resume and force:
+        raise SpecserveError("--resume continues a run, --force starts over: pick one")
+    if resume or force:
+        return
+    if (out_dir / CONFIG_FILE).exists():
+        raise SpecserveError(f"{out_dir} already holds heads; --force to train them again, "
+                             f"or --resume to continue their run")
+    if (out_dir / CHECKPOINT_FILE).exists():
+        raise SpecserveError(f"{out_dir} holds the checkpoint of an unfinished run; "
+                             f"--resume to continue it, or --force to start over")
+
+
+# ---- the whole run -------------------------------------------------------------------------
+
+
+def train_medusa(target, out_dir: str | Path | None = None, options: TrainOptions | None = None, *,
+                 resume: bool = False, force: bool = False,
+                 sequences: Sequence[Sequence[int]] | None = None,
+                 eval_sequences: Sequence[Sequence[int]] | None = None,
+                 stop_at: int | None = None, log: Log = print) -> TrainResult:
+    """Train Medusa heads for `target` (a registry name, directory, Hub id, or a causal LM
+    object) into `out_dir` (default: `default_heads_dir(target, "medusa")`).
+
+    `sequences` / `eval_sequences`: explicit training and held-out token ids (both, or neither:
+    then the offline text of `specserve.heads.data`, which needs the target's tokenizer).
+    `stop_at`: stop after that many steps with a checkpoint, as an interrupted run would;
+    `resume=True` then continues to `options.steps`.
+    """
+    options = options or TrainOptions()
+    validate_options(options)
+    if (sequences is None) != (eval_sequences is None):
+        raise SpecserveError("give both sequences and eval_sequences, or neither")
+    if out_dir is None:
+        if not isinstance(target, (str, os.PathLike)):
+            raise SpecserveError("out_dir is needed when the target is a model object")
+        from specserve.heads import default_heads_dir
+
+        out_dir = default_heads_dir(str(target), options.method)
+    out_dir = Path(out_dir)
+    check_out_dir(out_dir, resume=resume, force=force)
+    checkpoint = load_checkpoint(out_dir / CHECKPOINT_FILE, options) if resume else None
+    if force:
+        (out_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
+
+    device = options.resolved_device()
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    loaded = load_target(target, options, device)
+    data = _prepare_data(loaded, options, sequences, eval_sequences, out_dir, log)
+    if checkpoint is not None and checkpoint["cache_key"] != data["key"]:
+        raise SpecserveError(f"cannot resume {out_dir}: its checkpoint is for another target or other "
+                             f"training text; --force to start over")
+    heads, teacher_weight = _build_heads(loaded, options, data, device,
+                                         checkpoint["token_map"] if checkpoint else None)
+    del loaded  # the decoder body is no longer needed: only its lm_head rows are
+    return _train(heads, teacher_weight, options, data, out_dir, device, checkpoint, stop_at, target, log)
+
+
+def _prepare_data(target: Target, options: TrainOptions, sequences, eval_sequences, out_dir: Path, log: Log) -> dict:
+    if sequences is None:
+        if target.tokenizer is None:
+            raise SpecserveError("a target without a tokenizer needs explicit token sequences")
+        from specserve.heads import data
+
+        sequences = data.token_sequences(target.tokenizer, options.max_tokens, options.seed)
+        eval_sequences = data.heldout_sequences(target.tokenizer, options.eval_tokens)
+    dtype = next(target.model.parameters()).dtype
+    key = cache_key(target, options, sequences, eval_sequences, dtype)
+
+    def build() -> dict[str, torch.Tensor]:
+        train = compute_hidden_states(target.model, sequences, options.seq_len, progress=options.progress,
+                                      desc="caching hidden states")
+        held = compute_hidden_states(target.model, eval_sequences, options.seq_len, progress=options.progress,
+                                     desc="held-out hidden states")
+        return {**{f"train.{k}": v for k, v in train.items()}, **{f"eval.{k}": v for k, v in held.items()}}
+
+    tensors, seconds = load_or_build_cache(out_dir / CACHE_DIR / f"hidden-{key}.safetensors", build, log)
+    train_tokens, eval_tokens = len(tensors["train.tokens"]), len(tensors["eval.tokens"])
+    if seconds:
+        log(f"hidden states: {train_tokens + eval_tokens} tokens in {seconds:.1f} s "
+            f"({(train_tokens + eval_tokens) / seconds:.1f} tokens/s)")
+    return {"key": key, "tensors": tensors, "cache_seconds": seconds, "dtype": dtype,
+            "train_tokens": train_tokens, "eval_tokens": eval_tokens}
+
+
+def _build_heads(target: Target, options: TrainOptions, data: dict, device: str,
+                 token_map: torch.Tensor | None) -> tuple[MedusaHeads, torch.Tensor]:
+    """Fresh float32 heads (zero blocks) and the teacher's lm_head rows in the cache dtype."""
+    lm_head = target.model.lm_head.weight.detach()
+    vocab_size, hidden_size = lm_head.shape
+    head_vocab = min(options.head_vocab_size or default_head_vocab(vocab_size), vocab_size)
+    if token_map is None:
+        t = data["tensors"]
+        token_map = choose_token_map(t["train.tokens"], t["train.greedy"], vocab_size, head_vocab)
+    config = MedusaConfig(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=options.num_heads,
+                          num_layers=options.num_layers, own_lm_head=options.own_lm_head,
+                          head_vocab_size=len(token_map), target=target.name)
+    heads = MedusaHeads(config, lm_head.float().cpu(), token_map).to(device)
+    teacher_weight = lm_head[token_map.to(lm_head.device)].to(device=device, dtype=data["dtype"])
+    return heads, teacher_weight
+
+
+def _train(heads: MedusaHeads, teacher_weight: torch.Tensor, options: TrainOptions, data: dict, out_dir: Path,
+           device: str, checkpoint: dict | None, stop_at: int | None, target, log: Log) -> TrainResult:
+    from tqdm import tqdm
+
+    t = data["tensors"]
+    hidden = t["train.hidden"].to(device)
+    positions = usable_positions(t["train.offsets"], options.num_heads)
+    if len(positions) == 0:
+        raise SpecserveError(f"no training positions: every sequence is shorter than {options.num_heads + 1} tokens")
+    eval_args = (t["eval.hidden"], t["eval.greedy"], t["eval.offsets"], device)
+
+    optimizer = torch.optim.AdamW(heads.trainable_parameters(), lr=options.lr, weight_decay=options.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(options.resolved_warmup(), options.steps))
+    sampler = torch.Generator().manual_seed(options.seed)  # positions are drawn on the CPU: same on any device
+    torch.manual_seed(options.seed)
+    random.seed(options.seed)
+    step, seconds, losses = 0, 0.0, []
+    if checkpoint is not None:
+        heads.load_state_dict(checkpoint["heads"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        sampler.set_state(checkpoint["sampler"])
+        torch.set_rng_state(checkpoint["torch_rng"])
+        step, seconds, losses = checkpoint["step"], checkpoint["train_seconds"], list(checkpoint["losses"])
+        before = checkpoint["accuracy_before"]
+    else:
+        before = heldout_accuracy(heads, *eval_args)
+    log(f"held-out top-1 accuracy per head, untrained: {_fmt(before)}")
+
+    def state() -> dict:
+        return {"step": step, "options": options.resumable(), "cache_key": data["key"],
+                "token_map": heads.token_map.cpu(), "heads": heads.state_dict(),
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "sampler": sampler.get_state(), "torch_rng": torch.get_rng_state(),
+                "train_seconds": seconds, "losses": losses, "accuracy_before": before}
+
+    end = min(options.steps, stop_at) if stop_at is not None else options.steps
+    bar = tqdm(total=options.steps, initial=step, unit="step", desc="training heads", disable=not options.progress,
+               dynamic_ncols=True)
+    heads.train()
+    try:
+        while step < end:
+            started = time.perf_counter()
+            batch = positions[torch.randint(len(positions), (options.batch_size,), generator=sampler)]
+            rows = gather_rows(hidden, batch.to(device), options.num_heads)
+            loss, per_head, agree = distillation_loss(heads, rows, teacher_weight, options.loss_decay)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            seconds += time.perf_counter() - started
+            losses = (losses + [loss.item()])[-20:]
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{agree[0].item():.2f}")
+            bar.update(1)
+            if step % options.checkpoint_every == 0 and step < end:
+                save_checkpoint(out_dir / CHECKPOINT_FILE, state())
+    except KeyboardInterrupt:
+        save_checkpoint(out_dir / CHECKPOINT_FILE, state())
+        log(f"interrupted at step {step}; --resume continues from {out_dir / CHECKPOINT_FILE}")
+        raise
+    finally:
+        bar.close()
+    heads.eval()
+    save_checkpoint(out_dir / CHECKPOINT_FILE, state())
+    if step < options.steps:
+        return TrainResult(heads, out_dir, step, None)
+
+    after = heldout_accuracy(heads, *eval_args)
+    log(f"held-out top-1 accuracy per head, trained:   {_fmt(after)}")
+    heads.save(out_dir)
+    report = _report(options, data, heads, target, device, step, seconds, losses, before, after)
+    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
+    return TrainResult(heads, out_dir, step, report)
+
+
+def _report(options, data, heads, target, device, step, seconds, losses, before, after) -> dict:
+    return {
+        "target": str(target) if isinstance(target, (str, os.PathLike)) else heads.config.target,
+        "method": options.method,
+        "options": asdict(options),
+        "device": device,
+        "torch_threads": torch.get_num_threads(),
+        "head_vocab_size": heads.config.head_vocab_size,
+        "vocab_size": heads.config.vocab_size,
+        "train_tokens": data["train_tokens"],
+        "eval_tokens": data["eval_tokens"],
+        "cache_seconds": round(data["cache_seconds"], 2),
+        "cache_reused": data["cache_seconds"] == 0,
+        "train_seconds": round(seconds, 2),
+        "seconds_per_step": round(seconds / max(1, step), 4),
+        "steps": step,
+        "final_loss": round(sum(losses) / max(1, len(losses)), 4),  # mean of the last (up to) 20 steps
+        "heldout_accuracy_before": [round(a, 4) for a in before],
+        "heldout_accuracy_after": [round(a, 4) for a in after],
+    }
+
+
+def _fmt(accuracies: Sequence[float]) -> str:
+    return " ".join(f"{a:.3f}" for a in accuracies)
