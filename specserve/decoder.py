@@ -30,6 +30,8 @@ class Generation:
     text: str | None
     finish_reason: str
     stats: SpecStats
+    # What produced the stats: proposer, shape, acceptance ("typical (lossy)" when opted in).
+    speculation: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -151,8 +153,8 @@ class SpeculativeDecoder:
         for s in states:
             report.stats.merge(s.stats)
         self.last_report = report
-        return [Generation(s.request_id, s.prompt_ids, s.output_ids, self._text(s), s.finish_reason, s.stats)
-                for s in states]
+        return [Generation(s.request_id, s.prompt_ids, s.output_ids, self._text(s), s.finish_reason, s.stats,
+                           s.usage_stats()) for s in states]
 
     def _text(self, state: RequestState) -> str | None:
         if state.stop_text is not None:

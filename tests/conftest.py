@@ -67,6 +67,37 @@ def make_decoder(target, draft=None, *, k: int = 4, method: str | None = None, e
     )
 
 
+def tiny_heads(model, *, num_heads: int = 3, noise: float = 0.0, seed: int = 0, head_vocab_size: int | None = None):
+    """Untrained Medusa heads on `model` (identity blocks, plus `noise` on their weights)."""
+    import torch
+
+    from specserve.heads.medusa import MedusaConfig, MedusaHeads
+
+    config = MedusaConfig(model.config.hidden_size, model.config.vocab_size, num_heads=num_heads,
+                          head_vocab_size=head_vocab_size)
+    token_map = torch.arange(head_vocab_size) if head_vocab_size else None
+    heads = MedusaHeads(config, model.lm_head.weight, token_map)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.blocks.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=gen))
+    return heads.requires_grad_(False).eval()
+
+
+def make_medusa_decoder(target, heads=None, **speculation):
+    """A decoder whose target verifies and proposes with Medusa heads (co-located)."""
+    from specserve.decoder import SpeculativeDecoder
+    from specserve.engine.torch_worker import TorchWorker
+    from specserve.proposers.medusa import MedusaProposer
+    from specserve.protocol import Speculation
+    from specserve.verifier import Verifier
+
+    proposer = MedusaProposer(heads if heads is not None else tiny_heads(target))
+    return SpeculativeDecoder(Verifier(TorchWorker(target), proposer),
+                              speculation=Speculation(proposer="medusa", **speculation),
+                              max_context=target.config.max_position_embeddings)
+
+
 @pytest.fixture(scope="session")
 def qwen_pair():
     target = tiny_model("qwen2", seed=0)
