@@ -1,5 +1,6 @@
 """Fast tier for the serving layer: manifests, builder args, text codec, streaming deltas."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ MANIFESTS = sorted((Path(__file__).parent.parent / "manifests").glob("*.yaml"))
 
 
 def test_there_are_manifests():
-    assert {m.name for m in MANIFESTS} >= {"local.yaml", "llama70b.yaml"}
+    assert {m.name for m in MANIFESTS} >= {"local.yaml", "local-medusa.yaml", "llama70b.yaml"}
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
@@ -41,6 +42,8 @@ def test_ray_schema_and_args_reject_broken_manifests():
         AppArgs.model_validate({**args, "speculation": {"k": 65}})
     with pytest.raises(ValidationError, match="method"):
         AppArgs.model_validate({**args, "speculation": {"method": "medusa-typo"}})
+    with pytest.raises(ValidationError, match="needs a draft pool"):
+        AppArgs.model_validate({**args, "draft": None, "speculation": {"proposer": "draft", "shape": "tree"}})
     with pytest.raises(ValidationError, match="extra"):
         AppArgs.model_validate({**args, "targte": {}})
     with pytest.raises(ValidationError, match="needs a draft pool"):
@@ -51,6 +54,58 @@ def test_ray_schema_and_args_reject_broken_manifests():
         AppArgs.model_validate({**args, "speculation": {"tree": {"budget": 0}}})
     with pytest.raises(ValidationError, match="not both"):
         AppArgs.model_validate({**args, "target": {**args["target"], "autoscaling_config": {"max_replicas": 2}}})
+
+
+def test_speculation_args_separate_proposer_and_shape():
+    from specserve.protocol import Speculation, TreeSpec
+    from specserve.serve.config import SpeculationArgs
+    from specserve.serve.openai_api import SpeculationOverride
+
+    assert SpeculationArgs().spec() == Speculation(proposer="draft", shape="chain", k=4)
+    assert SpeculationArgs(method="tree").spec() == Speculation(proposer="draft", shape="tree")  # older spelling
+    assert SpeculationArgs(method="none").spec().proposer == "none"
+    with pytest.raises(ValidationError, match="not both"):
+        SpeculationArgs(method="tree", proposer="draft")
+    with pytest.raises(ValidationError, match="write `proposer`"):
+        SpeculationArgs(method="medusa-typo")
+    with pytest.raises(ValidationError, match="typical"):
+        SpeculationArgs(acceptance="fast")
+    base = SpeculationArgs(proposer="medusa", shape="tree").spec()
+    override = SpeculationOverride(shape="chain", k=2, acceptance="typical", typical={"posterior_alpha": 0.5})
+    got = override.apply_to(base)
+    assert (got.proposer, got.shape, got.k, got.acceptance, got.typical.posterior_alpha) == ("medusa", "chain", 2,
+                                                                                          "typical", 0.5)
+    assert SpeculationOverride(method="tree").apply_to(base) == replace(base, proposer="draft", shape="tree")
+    assert SpeculationOverride(tree={"depth": 3}).apply_to(base).tree == TreeSpec(depth=3)
+    with pytest.raises(SpecserveError, match="not both"):
+        SpeculationOverride(method="none", proposer="medusa").apply_to(base)
+
+
+def test_medusa_args_need_heads_on_the_target():
+    args = {"target": {"model": "m"}, "speculation": {"proposer": "medusa"}}
+    with pytest.raises(ValidationError, match="needs heads on the target"):
+        AppArgs.model_validate(args)
+    ok = AppArgs.model_validate({**args, "target": {"model": "m", "heads": "default"}})
+    assert ok.draft is None and ok.speculation.spec().co_located
+    with pytest.raises(ValidationError, match="belong to the target pool"):
+        AppArgs.model_validate({**args, "target": {"model": "m", "heads": "h"}, "draft": {"model": "d", "heads": "h"}})
+
+
+def test_builder_refuses_missing_heads_and_heads_of_another_model(tmp_path):
+    import torch
+
+    from specserve.heads.medusa import MedusaConfig, MedusaHeads
+    from specserve.serve import build_app
+
+    name = "smollm2-135m-instruct"
+    if not models.is_cached(name):
+        pytest.skip(f"{name} not pulled")
+    args = {"target": {"model": name, "heads": str(tmp_path / "none")}, "speculation": {"proposer": "medusa"}}
+    with pytest.raises(SpecserveError, match="make heads.*specserve train-heads --method medusa"):
+        build_app(args)
+    MedusaHeads(MedusaConfig(64, 97), torch.zeros(97, 64)).save(tmp_path / "tiny")
+    with pytest.raises(SpecserveError, match="trained for a model with hidden size 64"):
+        build_app({**args, "target": {"model": name, "heads": str(tmp_path / "tiny")}})
 
 
 def test_tree_args_become_a_tree_spec():
