@@ -8,6 +8,11 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+# The Ray Serve integration tier: one local cluster for the session, SmolLM2-135M in fp32.
+SMOL = "smollm2-135m-instruct"
+PORT = 8765
+BASE = f"http://127.0.0.1:{PORT}"
+
 
 def tiny_model(arch: str = "qwen2", *, seed: int = 0, vocab_size: int = 97, layers: int = 2,
                hidden: int = 64, max_positions: int = 512):
@@ -102,3 +107,61 @@ def make_medusa_decoder(target, heads=None, **speculation):
 def qwen_pair():
     target = tiny_model("qwen2", seed=0)
     return target, perturbed(target)
+
+
+# ---- the Ray Serve integration tier (test_serve*.py) -------------------------------------
+
+@pytest.fixture(scope="session")
+def cluster():
+    from specserve import models
+
+    if not models.is_cached(SMOL):
+        pytest.skip(f"run `specserve models pull {SMOL}` first (make test does)")
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """The target alone, in this process: transformers' greedy decoding."""
+    from specserve import models
+
+    tokenizer = models.load_tokenizer(SMOL)
+    model = models.load_causal_lm(SMOL, dtype="float32")
+
+    def greedy_ids(prompt_ids: list[int], max_tokens: int) -> list[int]:
+        return hf_greedy(model, prompt_ids, max_tokens, eos_token_id=tokenizer.eos_token_id)
+
+    def greedy_text(prompt_ids: list[int], max_tokens: int) -> str:
+        return tokenizer.decode(greedy_ids(prompt_ids, max_tokens), skip_special_tokens=True)
+
+    greedy_text.ids = greedy_ids
+
+    def chat_ids(content: str) -> list[int]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    return tokenizer, model, greedy_text, chat_ids
+
+
+
+
+@pytest.fixture(scope="session")
+def smol_medusa_heads(tmp_path_factory):
+    """Medusa heads for SmolLM2-135M, trained here by `specserve train-heads`' library function
+    on the offline text (about a minute): the directory they were saved to."""
+    from specserve import models
+    from specserve.heads.train import quick_options, train_medusa
+
+    if not models.is_cached(SMOL):
+        pytest.skip(f"run `specserve models pull {SMOL}` first (make test does)")
+    out = tmp_path_factory.mktemp("smol-medusa")
+    train_medusa(SMOL, out, quick_options(num_heads=3, progress=False), force=True, log=lambda *_: None)
+    return out

@@ -16,50 +16,11 @@ import time
 import httpx
 import pytest
 
-from conftest import hf_greedy
+from conftest import BASE, SMOL
 from specserve import models
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
-SMOL = "smollm2-135m-instruct"
-PORT = 8765
-BASE = f"http://127.0.0.1:{PORT}"
-
-
-@pytest.fixture(scope="session")
-def cluster():
-    if not models.is_cached(SMOL):
-        pytest.skip(f"run `specserve models pull {SMOL}` first (make test does)")
-    import ray
-    from ray import serve
-
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    yield
-    serve.shutdown()
-    ray.shutdown()
-
-
-@pytest.fixture(scope="session")
-def reference():
-    """The target alone, in this process: transformers' greedy decoding."""
-    tokenizer = models.load_tokenizer(SMOL)
-    model = models.load_causal_lm(SMOL, dtype="float32")
-
-    def greedy_ids(prompt_ids: list[int], max_tokens: int) -> list[int]:
-        return hf_greedy(model, prompt_ids, max_tokens, eos_token_id=tokenizer.eos_token_id)
-
-    def greedy_text(prompt_ids: list[int], max_tokens: int) -> str:
-        return tokenizer.decode(greedy_ids(prompt_ids, max_tokens), skip_special_tokens=True)
-
-    greedy_text.ids = greedy_ids
-
-    def chat_ids(content: str) -> list[int]:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
-
-    return tokenizer, model, greedy_text, chat_ids
 
 
 @pytest.fixture(scope="session")
@@ -332,6 +293,8 @@ def test_client_disconnect_frees_caches_in_both_pools(app, client):
     ({"model": "smol", "prompt": "x", "speculation": {"method": "tree", "tree": {"budget": 0}}}, 400, "budget"),
     ({"model": "smol", "prompt": "x", "speculation": {"method": "tree", "tree": {"shape": [[1]]}}}, 400, "sibling"),
     ({"model": "smol", "prompt": "x", "speculation": {"tree": {"breadth": 3}}}, 400, "breadth"),
+    ({"model": "smol", "prompt": "x", "speculation": {"proposer": "medusa"}}, 400, "no heads"),
+    ({"model": "smol", "prompt": "x", "speculation": {"proposer": "draft", "shape": "cube"}}, 400, "shape"),
     ({"model": "smol"}, 400, "prompt"),
 ])
 def test_bad_requests_get_openai_style_errors(app, body, status, fragment):

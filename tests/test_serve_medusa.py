@@ -1,0 +1,168 @@
+"""Integration: Medusa heads in a co-located pool on the session's Ray cluster, SmolLM2-135M
+(fp32) with heads trained in the session, called over HTTP with the official `openai` client.
+
+Two CoLocatedPool replicas (so killing one leaves another) and a router; no draft pool.
+"""
+
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+
+from conftest import BASE
+from test_serve import pool_stats, wait_for
+
+pytestmark = [pytest.mark.serve, pytest.mark.slow]
+
+MEDUSA = f"{BASE}/medusa"
+PROMPTS = ["def add(a, b):", "The capital of France is", "import numpy as np\n", "Once upon a time"]
+TREE = {"budget": 10, "depth": 3, "width": 3, "min_score": 0.0}
+
+
+@pytest.fixture(scope="session")
+def medusa_app(cluster, smol_medusa_heads):
+    from ray import serve
+
+    from specserve.serve import build_app
+
+    pool = {"dtype": "float32", "torch_threads": 1, "ray_actor_options": {"num_cpus": 1},
+            "health_check_period_s": 60, "health_check_timeout_s": 30}
+    serve.run(build_app({
+        "model_name": "smol-medusa",
+        "target": {"model": "smollm2-135m-instruct", "heads": str(smol_medusa_heads), "num_replicas": 2, **pool},
+        "speculation": {"proposer": "medusa", "shape": "tree", "tree": TREE},
+        "router": {"max_ongoing_requests": 8, "max_queued_requests": 8, "target_retry_timeout_s": 60},
+    }), name="medusa", route_prefix="/medusa")
+    return serve.get_deployment_handle("CoLocatedPool", "medusa")
+
+
+@pytest.fixture(scope="session")
+def medusa_client(medusa_app):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{MEDUSA}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_medusa_completions_equal_the_target_alone_streamed_or_not(medusa_client, reference):
+    tokenizer, _, greedy_text, _ = reference
+    for prompt in PROMPTS[:2]:
+        expected = greedy_text(tokenizer.encode(prompt), 40)
+        for speculation in ({}, {"shape": "chain", "k": 3}, {"tree": {"shape": [[0], [1], [0, 0], [1, 0]]}}):
+            r = medusa_client.completions.create(model="smol-medusa", prompt=prompt, max_tokens=40, temperature=0,
+                                                 extra_body={"speculation": speculation})
+            assert r.choices[0].text == expected
+            spec = r.usage.model_extra["speculation"]
+            assert spec["proposer"] == "medusa" and spec["acceptance"] == "exact" and spec["lossy"] is False
+            assert spec["num_draft_tokens"] > 0 and spec["mean_accepted_length"] > 1
+        stream = medusa_client.completions.create(model="smol-medusa", prompt=prompt, max_tokens=40,
+                                                  temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream) == expected
+
+
+def test_medusa_chat_equals_the_target_alone(medusa_client, reference):
+    _, _, greedy_text, chat_ids = reference
+    question = "Write a Python function that reverses a string."
+    r = medusa_client.chat.completions.create(model="smol-medusa", max_tokens=48, temperature=0,
+                                              messages=[{"role": "user", "content": question}])
+    assert r.choices[0].message.content == greedy_text(chat_ids(question), 48)
+
+
+def test_a_co_located_round_is_one_forward_pass(medusa_app, medusa_client):
+    """Per round one call to the pool and one target pass: passes == target steps."""
+    def passes() -> int:
+        return sum(s["forward_passes"] for s in pool_stats(medusa_app).values())
+
+    assert wait_for(lambda: sum(s["requests"] for s in pool_stats(medusa_app).values()) == 0)
+    before = passes()
+    r = medusa_client.completions.create(model="smol-medusa", prompt=PROMPTS[2], max_tokens=32, temperature=0)
+    spec = r.usage.model_extra["speculation"]
+    assert passes() - before == spec["target_steps"]
+    assert spec["target_steps"] < r.usage.completion_tokens  # fewer passes than tokens
+
+
+def test_typical_acceptance_is_labelled_lossy_over_http(medusa_client):
+    r = medusa_client.completions.create(model="smol-medusa", prompt=PROMPTS[3], max_tokens=16, temperature=0.8,
+                                         seed=3, extra_body={"speculation": {"acceptance": "typical"}})
+    spec = r.usage.model_extra["speculation"]
+    assert spec["acceptance"] == "typical (lossy)" and spec["lossy"] is True
+
+
+def test_sampled_medusa_requests_are_reproducible(medusa_client):
+    runs = [medusa_client.completions.create(model="smol-medusa", prompt="Tell me a story:", max_tokens=24,
+                                             temperature=0.9, seed=5).choices[0].text for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0]
+
+
+def _streams(prompts, max_tokens, on_chunk):
+    from openai import OpenAI
+
+    results = [None] * len(prompts)
+
+    def run(i, prompt):
+        client = OpenAI(base_url=f"{MEDUSA}/v1", api_key="unused", max_retries=0, timeout=300)
+        try:
+            parts = []
+            for n, chunk in enumerate(client.completions.create(model="smol-medusa", prompt=prompt, stream=True,
+                                                                max_tokens=max_tokens, temperature=0)):
+                parts.append(chunk.choices[0].text)
+                on_chunk(n)
+            results[i] = "".join(parts)
+        except BaseException as exc:  # reported below
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def test_killing_a_co_located_replica_mid_stream_fails_over_exactly(medusa_app, reference):
+    tokenizer, _, greedy_text, _ = reference
+    killed = []
+
+    def kill_busy_replica(n):
+        if n == 4 and not killed:
+            killed.append(True)
+            busy = [s for s in pool_stats(medusa_app).values() if s["requests"] > 0]
+            os.kill(busy[0]["pid"], signal.SIGKILL)
+
+    texts = _streams(PROMPTS, 48, kill_busy_replica)
+    assert killed
+    assert texts == [greedy_text(tokenizer.encode(p), 48) for p in PROMPTS]
+    assert wait_for(lambda: len(pool_stats(medusa_app)) == 2, timeout=120)  # Serve replaces the replica
+
+
+def test_client_disconnect_frees_the_co_located_cache(medusa_app):
+    def cached() -> int:
+        return sum(s["requests"] for s in pool_stats(medusa_app).values())
+
+    assert wait_for(lambda: cached() == 0)
+    with httpx.stream("POST", f"{MEDUSA}/v1/completions", timeout=120, json={
+            "model": "smol-medusa", "prompt": "Write a long essay about the sea.", "max_tokens": 400,
+            "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert cached() >= 1
+        r.close()
+    assert wait_for(lambda: cached() == 0, timeout=60)
+
+
+@pytest.mark.parametrize("base,model,speculation,fragment", [
+    (MEDUSA, "smol-medusa", {"proposer": "draft"}, "no draft pool"),
+    (MEDUSA, "smol-medusa", {"acceptance": "fast"}, "acceptance"),
+    (MEDUSA, "smol-medusa", {"proposer": "medusa", "method": "tree"}, "not both"),
+    (MEDUSA, "smol-medusa", {"tree": {"shape": [[1]]}}, "sibling"),
+])
+def test_bad_speculation_gets_a_400(medusa_app, base, model, speculation, fragment):
+    r = httpx.post(f"{base}/v1/completions", timeout=60,
+                   json={"model": model, "prompt": "x", "max_tokens": 4, "speculation": speculation})
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"]
