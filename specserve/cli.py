@@ -182,6 +182,70 @@ def add_bench_parser(subparsers) -> None:
     p.set_defaults(func=_cmd_bench)
 
 
+# --------------------------------------------------------------------------- train-heads
+
+
+def _cmd_train_heads(args: argparse.Namespace) -> int:
+    from .heads.train import TrainOptions, train_medusa, validate_options
+
+    options = TrainOptions(
+        method=args.method, num_heads=args.heads, num_layers=args.layers, steps=args.steps, lr=args.lr,
+        batch_size=args.batch_size, seq_len=args.seq_len, max_tokens=args.max_tokens,
+        head_vocab_size=args.head_vocab, own_lm_head=args.own_lm_head, seed=args.seed, dtype=args.dtype,
+        device=args.device, threads=args.threads, checkpoint_every=args.checkpoint_every,
+        progress=not args.no_progress)
+    validate_options(options)  # before any model is loaded
+    result = train_medusa(args.target, args.out, options, resume=args.resume, force=args.force,
+                          log=lambda msg: print(msg, flush=True))
+    report = result.report
+    print(f"heads: {result.out_dir}  ({report['steps']} steps in {report['train_seconds']:.0f} s, "
+          f"{report['train_tokens']} training tokens, head vocabulary {report['head_vocab_size']})")
+    print("held-out top-1 accuracy (head i predicts token t+i+2):")
+    for i, (before, after) in enumerate(zip(report["heldout_accuracy_before"], report["heldout_accuracy_after"])):
+        print(f"  head {i}: {after:.3f}  (untrained {before:.3f})")
+    return EXIT_OK
+
+
+def add_train_heads_parser(subparsers) -> None:
+    from .heads.train import TrainOptions
+
+    d = TrainOptions()
+    p = subparsers.add_parser(
+        "train-heads", help="train Medusa heads on a target from offline text",
+        description="Train Medusa heads by distillation from the target on offline text (HumanEval, MT-Bench, "
+                    "Python's standard library; the prompts the benchmarks use are held out). The target's "
+                    "hidden states are cached under OUT/cache; OUT/checkpoint.pt lets --resume continue.")
+    p.add_argument("--method", default="medusa", help="head method (default medusa; the only one built)")
+    p.add_argument("--target", required=True, help="registry name, local directory or Hub id")
+    p.add_argument("--out", help="where the heads go (default $SPECSERVE_HOME/heads/<target>-<method>)")
+    p.add_argument("--heads", type=int, default=d.num_heads, help=f"number of heads (default {d.num_heads})")
+    p.add_argument("--layers", type=int, default=d.num_layers,
+                   help=f"residual blocks per head (default {d.num_layers})")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"peak AdamW learning rate (default {d.lr})")
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help=f"positions per step (default {d.batch_size})")
+    p.add_argument("--seq-len", type=int, default=d.seq_len,
+                   help=f"tokens per forward pass while caching hidden states (default {d.seq_len})")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help=f"training text budget in tokens (default {d.max_tokens})")
+    p.add_argument("--head-vocab", type=int, help="tokens the heads can propose (default: the whole vocabulary "
+                                                  "up to 65536 tokens, else the 32768 most frequent)")
+    p.add_argument("--own-lm-head", action="store_true",
+                   help="train a copy of the lm_head per head (default: share the target's, frozen)")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"same seed, same heads (default {d.seed})")
+    p.add_argument("--dtype", default=d.dtype,
+                   help=f"the target's dtype while caching hidden states (default {d.dtype}); heads train in float32")
+    p.add_argument("--device", help="cuda when available, else cpu (default)")
+    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help=f"steps between checkpoints (default {d.checkpoint_every})")
+    p.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
+    p.add_argument("--force", action="store_true", help="train again over heads already in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_train_heads)
+
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -193,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_parser(subparsers)
     add_generate_parser(subparsers)
     add_bench_parser(subparsers)
+    add_train_heads_parser(subparsers)
     return parser
 
 

