@@ -303,18 +303,17 @@ class Speculation:
         `method` is the older spelling of proposer + shape (see LEGACY_METHODS); it may not be
         combined with them. `tree` and `typical` are partial: unset fields keep these ones."""
         if method is not None:
-            if proposer is not None or shape is not None:
+            if method in LEGACY_METHODS and (proposer is not None or shape is not None):
                 raise SpecserveError("give `proposer` and `shape`, or the older `method`, not both "
                                      "(method tree = proposer draft + shape tree)")
-            if method not in LEGACY_METHODS:
-                if method in PROPOSERS:  # e.g. method: medusa means proposer: medusa
-                    proposer = method
-                else:
-                    raise SpecserveError(
-                        f"unknown speculation method {method!r}; write `proposer` ({', '.join(PROPOSERS)}) "
-                        f"and `shape` ({', '.join(SHAPES)}) instead")
-            else:
+            if method in LEGACY_METHODS:
                 proposer, shape = LEGACY_METHODS[method]
+            elif method in PROPOSERS and proposer is None:  # method: medusa is proposer: medusa
+                proposer = method
+            else:
+                raise SpecserveError(
+                    f"unknown speculation method {method!r}; write `proposer` ({', '.join(PROPOSERS)}) "
+                    f"and `shape` ({', '.join(SHAPES)}) instead")
         changes: dict = {}
         for name, value in (("proposer", proposer), ("shape", shape), ("k", k), ("acceptance", acceptance)):
             if value is not None:

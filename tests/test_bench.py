@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import perturbed, tiny_model
+from conftest import tiny_heads, perturbed, tiny_model
 from specserve import models
 from specserve.benchmarks import library, suite, systems, workloads
 from specserve.protocol import LEGACY_METHODS
@@ -37,6 +37,7 @@ def tiny_pair(tmp_path_factory):
         dirs[name] = tmp_path_factory.mktemp(name)
         model.save_pretrained(dirs[name])
         tokenizer.save_pretrained(dirs[name])
+    dirs["heads"] = tiny_heads(target, noise=0.02).save(tmp_path_factory.mktemp("heads"))
     return dirs
 
 
@@ -65,6 +66,7 @@ def test_bench_library_mode_end_to_end(tiny_pair, tmp_path, monkeypatch):
 
     monkeypatch.setattr(suite, "_service_mode", service_mode_after_checkpoint)
     code = suite.main(["--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["draft"]),
+                       "--heads", str(tiny_pair["heads"]),
                        "--dtype", "float32", "--prompts", "2", "--max-tokens", "6", "--modes", "library",
                        "--vllm-python", str(tmp_path / "no-vllm" / "python"), "--out", str(out),
                        "--docs", str(docs), "--no-progress", "--threads", "1"])
@@ -77,7 +79,8 @@ def test_bench_library_mode_end_to_end(tiny_pair, tmp_path, monkeypatch):
     assert "Partial results" not in md
 
     names = {r["system"] for r in doc["library"]}
-    assert {"specserve none", "specserve draft k=4", "specserve draft k=2", "transformers target only",
+    assert {"specserve none", "specserve draft k=4", "specserve draft k=2", "specserve medusa shape=tree",
+            "transformers target only",
             "transformers assisted", "transformers prompt lookup", "vllm none", "vllm draft_model k=4",
             "vllm ngram k=4", "specserve no-such-method"} <= names
     assert {r["workload"] for r in doc["library"]} == {"code", "chat"}
@@ -92,6 +95,7 @@ def test_bench_library_mode_end_to_end(tiny_pair, tmp_path, monkeypatch):
         assert by["specserve draft k=4", workload]["same_as_reference"] == 2  # exact in float32
         assert not by["specserve draft k=4", workload]["mismatch"]
         assert by["specserve draft k=2", workload]["mismatch"]  # the deliberately wrong system is caught
+        assert by["specserve medusa shape=tree", workload]["same_as_reference"] == 2  # heads from --heads
         assert by["transformers assisted", workload]["reference"] == "transformers target only"
         for name in ("vllm none", "vllm draft_model k=4", "vllm ngram k=4"):
             assert by[name, workload]["status"] == "cannot run" and "vLLM environment" in by[name, workload]["reason"]

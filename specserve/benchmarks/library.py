@@ -53,6 +53,9 @@ def _run_one(system: System, encoded: Encoded, pair, decoder, max_tokens: int, b
     if system.needs_draft and pair.draft is None:
         bar.update(n_prompts)
         return _not_run(system, encoded, CANNOT_RUN, "needs a draft model (--draft)")
+    if system.needs_heads and pair.heads is None:
+        bar.update(n_prompts)
+        return _not_run(system, encoded, CANNOT_RUN, "needs Medusa heads for the target (`make heads`, or --heads DIR)")
     if system.engine == "specserve":
         from specserve.protocol import LEGACY_METHODS, PROPOSERS
 

@@ -20,8 +20,9 @@ from specserve.benchmarks.workloads import Workload
 Encoded = list[tuple[Workload, list[list[int]]]]
 
 
-def serve_config(target: str, draft: str | None, dtype: str, port: int) -> dict:
-    """A Serve config for the benchmark pair on this machine (like manifests/local.yaml)."""
+def serve_config(target: str, draft: str | None, dtype: str, port: int, heads: str | None = None) -> dict:
+    """A Serve config for the benchmark pair on this machine (like manifests/local.yaml; with
+    `heads`, the target pool is co-located with them, as in manifests/local-medusa.yaml)."""
     threads = 2  # pools take turns within a round: each may use both cores
 
     def pool(model: str, cpus: float) -> dict:
@@ -34,6 +35,8 @@ def serve_config(target: str, draft: str | None, dtype: str, port: int) -> dict:
                        "max_queued_requests": 32}}
     if draft:
         args["draft"] = pool(draft, 0.5)
+    if heads:
+        args["target"]["heads"] = heads
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
             "applications": [{"name": "specserve-bench", "route_prefix": "/",
                               "import_path": "specserve.serve:build_app", "args": args}]}
@@ -98,7 +101,9 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str, url: 
 
 
 def speculation(system: System) -> dict:
-    return {"method": system.method, **system.options}
+    from specserve.protocol import LEGACY_METHODS
+
+    return {"method" if system.method in LEGACY_METHODS else "proposer": system.method, **system.options}
 
 
 def measure(run: ServiceRun, url: str, model: str, prompt_ids: list[list[int]], max_tokens: int, spec: dict) -> None:

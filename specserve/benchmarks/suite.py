@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "start, service mode on the first workload at concurrency 1 2")
     p.add_argument("--target", default=DEFAULT_TARGET, help="registry name or local directory")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model; 'none' for no draft")
+    p.add_argument("--heads", default="default",
+                   help="Medusa heads for the target's medusa rows (default: $SPECSERVE_HOME/heads/<target>-medusa, "
+                        "from `make heads`; 'none' to skip them)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--workloads", nargs="+", default=list(workloads.WORKLOADS), choices=workloads.WORKLOADS)
     p.add_argument("--prompts", type=int, help=f"prompts per workload (default {FULL['prompts']})")
@@ -211,7 +214,7 @@ def _service_mode(args, svc_systems, encoded, out, bar, phases) -> list[dict]:
 
         manifest = str(out / "serve-config.yaml")
         # registry names as they are: the pools resolve them, with the registry's EOS ids
-        config = service.serve_config(args.target, args.draft, args.dtype, args.port)
+        config = service.serve_config(args.target, args.draft, args.dtype, args.port, heads=_heads(args))
         Path(manifest).write_text(yaml.safe_dump(config, sort_keys=False))
     runs = service.run_service(svc_systems, encoded, manifest=manifest,
                                url=f"http://127.0.0.1:{service.manifest_port(manifest)}",
@@ -242,7 +245,7 @@ def _run_in_process(in_process, encoded, args, bar, machine) -> list[systems.Lib
     machine["torch_threads"] = torch.get_num_threads()
     bar.set_description("loading models")
     try:
-        pair = load_pair(args.target, args.draft, dtype=args.dtype)
+        pair = load_pair(args.target, args.draft, heads=_heads(args), dtype=args.dtype)
     except Exception as exc:
         bar.update(len(in_process) * sum(len(ids) for _, ids in encoded))
         reason = f"could not load the models: {type(exc).__name__}: {exc}".splitlines()[0]
@@ -254,6 +257,17 @@ def _run_in_process(in_process, encoded, args, bar, machine) -> list[systems.Lib
     del decoder, pair  # free the weights before vLLM and the served pools load theirs
     gc.collect()
     return runs
+
+
+def _heads(args: argparse.Namespace) -> str | None:
+    """The heads directory for the medusa rows, or None when there are none (they then report
+    "cannot run" with the command that trains them)."""
+    from specserve.heads import heads_dir_for
+
+    if args.heads in (None, "", "none"):
+        return None
+    directory = heads_dir_for(args.target, args.heads)
+    return str(directory) if (directory / "config.json").is_file() else None
 
 
 def _local_dir(ref: str | None) -> str | None:

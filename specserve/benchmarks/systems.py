@@ -1,10 +1,11 @@
 """What `specserve bench` measures: the systems, and the result of one system on one workload.
 
-Adding a specserve method variant is one line in SPECSERVE_VARIANTS: (method, options). In
-library mode the options go to ``SpeculativeDecoder.generate(..., method=method, **options)``;
-in service mode they are the request's ``speculation`` object (``{"method": method, **options}``).
-A method this specserve does not have (not in ``specserve.request_state.METHODS``), or one the
-decoder or the server refuses, is reported as "cannot run: <reason>", never dropped.
+Adding a specserve method variant is one line in SPECSERVE_VARIANTS: (method, options), where
+method is an older method name (none, draft, tree) or a proposer (medusa). In library mode the
+options go to ``SpeculativeDecoder.generate(..., method=method, **options)``; in service mode
+they are the request's ``speculation`` object. A method this specserve does not have, or one
+the decoder or the server refuses (no heads, say), is reported as "cannot run: <reason>",
+never dropped.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ SPECSERVE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("none", {}),
     ("draft", {"k": K}),
     ("tree", {}),  # the decoder's default tree; a variant: ("tree", {"tree": {"budget": 16, "depth": 6}})
+    ("medusa", {"shape": "tree"}),  # heads from `make heads`, co-located; a dynamic tree as deep as the heads
 ]
+HEAD_METHODS = ("medusa",)  # need heads on the target (--heads)
 
 OK, CANNOT_RUN, FAILED = "ok", "cannot run", "failed"
 
@@ -32,6 +35,10 @@ class System:
     method: str  # the engine's name for it; "none" is that engine's target-only decoding
     options: dict[str, Any] = field(default_factory=dict)
     needs_draft: bool = False
+
+    @property
+    def needs_heads(self) -> bool:
+        return self.engine == "specserve" and self.method in HEAD_METHODS
 
     @property
     def target_only(self) -> bool:
