@@ -58,6 +58,21 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) 
     return out
 
 
+def empirical_pairs(draw_pair, vocab: int, n: int, seed: int):
+    """The empirical joint distribution [vocab * vocab] of n draws of `draw_pair(generator) ->
+    (first token, second token)`, seeded."""
+    import torch
+
+    from specserve.sampling import generator_for
+
+    gen = generator_for(seed)
+    counts = torch.zeros(vocab * vocab)
+    for _ in range(n):
+        a, b = draw_pair(gen)
+        counts[a * vocab + b] += 1
+    return counts / n
+
+
 def make_decoder(target, draft=None, *, k: int = 4, method: str | None = None, eos_token_ids=(), top_m: int = 256):
     from specserve.decoder import SpeculativeDecoder
     from specserve.engine.torch_worker import TorchWorker

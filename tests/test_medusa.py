@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import hf_greedy, make_medusa_decoder, tiny_heads, tiny_model
+from conftest import empirical_pairs, hf_greedy, make_medusa_decoder, tiny_heads, tiny_model
 from specserve.protocol import (
     DETERMINISTIC, SAMPLED, Proposal, ProposeRequest, SamplingParams, Speculation, SparseDist, SpecserveError,
     TokenTree, TreeSpec, VerifyRequest,
@@ -53,15 +53,10 @@ def test_deterministic_sibling_candidates_emit_the_target_distribution():
     root_candidates = p_root.argsort()[:3].tolist()  # the target's three LEAST likely: far off
     next_candidates = [0, 1]
 
-    def empirical(n, seed):
-        gen = generator_for(seed)
-        counts = torch.zeros(vocab * vocab)
-        for _ in range(n):
-            a, b = _deterministic_round(p_root, p_next, root_candidates, next_candidates, gen)
-            counts[a * vocab + b] += 1
-        return counts / n
+    def draw(gen):
+        return _deterministic_round(p_root, p_next, root_candidates, next_candidates, gen)
 
-    errors = [tv(empirical(n, seed=n), exact) for n in (300, 12000)]
+    errors = [tv(empirical_pairs(draw, vocab, n, seed=n), exact) for n in (300, 12000)]
     assert errors[1] < errors[0] and errors[1] < 0.03
     random_refs = [tv(torch.softmax(torch.randn(vocab * vocab) * 1.5, -1), exact) for _ in range(20)]
     assert errors[1] < min(random_refs) / 4

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import empirical_pairs
 from specserve.protocol import SamplingParams, SparseDist, SpecserveError
 from specserve.sampling import (
     accept_greedy, accept_rejection, densify, generator_for, target_probs, truncate_top_m,
@@ -160,15 +161,10 @@ def test_tree_rejection_sampling_emits_the_target_distribution():
     exact = (p_root[:, None] * p_next).flatten()
     assert tv((q_root[:, None] * q_next).flatten(), exact) > 0.2  # the draft is far off
 
-    def empirical(n, seed):
-        gen = generator_for(seed)
-        counts = torch.zeros(vocab * vocab)
-        for _ in range(n):
-            a, b = _tree_round(p_root, p_next, q_root, q_next, gen)
-            counts[a * vocab + b] += 1
-        return counts / n
+    def draw(gen):
+        return _tree_round(p_root, p_next, q_root, q_next, gen)
 
-    errors = [tv(empirical(n, seed=n), exact) for n in (300, 12000)]
+    errors = [tv(empirical_pairs(draw, vocab, n, seed=n), exact) for n in (300, 12000)]
     assert errors[1] < errors[0] and errors[1] < 0.03
     random_refs = [tv(torch.softmax(torch.randn(vocab * vocab) * 1.5, -1), exact) for _ in range(20)]
     assert errors[1] < min(random_refs) / 4

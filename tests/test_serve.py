@@ -165,12 +165,12 @@ def test_sampling_with_a_seed_is_reproducible(client):
     assert runs[0] == runs[1]
 
 
-def _stream_text(prompt: str, max_tokens: int, on_chunk=None) -> str:
+def _stream_text(prompt: str, max_tokens: int, on_chunk=None, *, base: str = BASE, model: str = "smol") -> str:
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=300)
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
     parts = []
-    for i, chunk in enumerate(client.completions.create(model="smol", prompt=prompt, max_tokens=max_tokens,
+    for i, chunk in enumerate(client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
                                                          temperature=0, stream=True)):
         parts.append(chunk.choices[0].text)
         if on_chunk is not None:
@@ -178,12 +178,14 @@ def _stream_text(prompt: str, max_tokens: int, on_chunk=None) -> str:
     return "".join(parts)
 
 
-def _concurrent_streams(prompts, max_tokens, on_chunk=None) -> list[str]:
+def concurrent_streams(prompts, max_tokens, on_chunk=None, **where) -> list[str]:
+    """Greedy streams of every prompt at once (one thread each); `on_chunk(i)` after chunk i of
+    each. `where`: base and model of another application."""
     results: list[str | BaseException] = [""] * len(prompts)
 
     def run(i, p):
         try:
-            results[i] = _stream_text(p, max_tokens, on_chunk)
+            results[i] = _stream_text(p, max_tokens, on_chunk, **where)
         except BaseException as exc:  # reported below
             results[i] = exc
 
@@ -200,7 +202,7 @@ def _concurrent_streams(prompts, max_tokens, on_chunk=None) -> list[str]:
 
 def test_concurrent_streams_are_all_exact(app, reference):
     tokenizer, _, greedy_text, _ = reference
-    texts = _concurrent_streams(PROMPTS, 32)
+    texts = concurrent_streams(PROMPTS, 32)
     assert texts == [greedy_text(tokenizer.encode(p), 32) for p in PROMPTS]
 
 
@@ -234,7 +236,7 @@ def test_killing_the_draft_replica_mid_stream_keeps_streams_exact(app, reference
             os.kill(draft_pid, signal.SIGKILL)
 
     prompts = PROMPTS[:2]
-    texts = _concurrent_streams(prompts, 64, on_chunk=kill_once)
+    texts = concurrent_streams(prompts, 64, on_chunk=kill_once)
     assert killed.is_set()
     assert texts == [greedy_text(tokenizer.encode(p), 64) for p in prompts]
     assert wait_for(lambda: len(pool_stats(draft)) == 1, timeout=120)  # Serve brings the draft back
@@ -251,7 +253,7 @@ def test_killing_a_target_replica_mid_stream_fails_over_exactly(app, reference):
             busy = [s for s in pool_stats(target).values() if s["requests"] > 0]
             os.kill(busy[0]["pid"], signal.SIGKILL)
 
-    texts = _concurrent_streams(PROMPTS, 64, on_chunk=kill_busy_replica)
+    texts = concurrent_streams(PROMPTS, 64, on_chunk=kill_busy_replica)
     assert killed
     assert texts == [greedy_text(tokenizer.encode(p), 64) for p in PROMPTS]
     assert wait_for(lambda: len(pool_stats(target)) == 2, timeout=120)  # Serve replaces the replica

@@ -6,13 +6,12 @@ Two CoLocatedPool replicas (so killing one leaves another) and a router; no draf
 
 import os
 import signal
-import threading
 
 import httpx
 import pytest
 
 from conftest import BASE
-from test_serve import pool_stats, wait_for
+from test_serve import concurrent_streams, pool_stats, wait_for
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
@@ -95,34 +94,6 @@ def test_sampled_medusa_requests_are_reproducible(medusa_client):
     assert runs[0] == runs[1] and runs[0]
 
 
-def _streams(prompts, max_tokens, on_chunk):
-    from openai import OpenAI
-
-    results = [None] * len(prompts)
-
-    def run(i, prompt):
-        client = OpenAI(base_url=f"{MEDUSA}/v1", api_key="unused", max_retries=0, timeout=300)
-        try:
-            parts = []
-            for n, chunk in enumerate(client.completions.create(model="smol-medusa", prompt=prompt, stream=True,
-                                                                max_tokens=max_tokens, temperature=0)):
-                parts.append(chunk.choices[0].text)
-                on_chunk(n)
-            results[i] = "".join(parts)
-        except BaseException as exc:  # reported below
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(prompts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results
-
-
 def test_killing_a_co_located_replica_mid_stream_fails_over_exactly(medusa_app, reference):
     tokenizer, _, greedy_text, _ = reference
     killed = []
@@ -133,7 +104,7 @@ def test_killing_a_co_located_replica_mid_stream_fails_over_exactly(medusa_app, 
             busy = [s for s in pool_stats(medusa_app).values() if s["requests"] > 0]
             os.kill(busy[0]["pid"], signal.SIGKILL)
 
-    texts = _streams(PROMPTS, 48, kill_busy_replica)
+    texts = concurrent_streams(PROMPTS, 48, kill_busy_replica, base=MEDUSA, model="smol-medusa")
     assert killed
     assert texts == [greedy_text(tokenizer.encode(p), 48) for p in PROMPTS]
     assert wait_for(lambda: len(pool_stats(medusa_app)) == 2, timeout=120)  # Serve replaces the replica
