@@ -8,7 +8,7 @@ DEFAULT_MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # Ray 2.60 turns token auth on by default; a local single-user cluster does not need it.
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup models heads serve generate test test-fast bench bench-http bench-quick bench-full vllm-env clean
+.PHONY: setup models heads serve generate test test-fast bench bench-medusa bench-http bench-quick bench-full vllm-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ test-fast: setup
 
 bench: models
 	$(PY) -m specserve.benchmarks.engine --prompts 8 --max-tokens 128 -k 4 --confidence 0 0.5
+
+# Medusa heads (make heads first) against target-only and the draft model, library mode, A B .. B A.
+bench-medusa: models
+	$(PY) -m specserve.benchmarks.medusa --prompts 8 --max-tokens 128 --repeats 2
 
 bench-http: models
 	$(PY) -m specserve.benchmarks.http --manifest manifests/local.yaml --prompts 4 --max-tokens 128 --concurrency 1 4

@@ -137,3 +137,33 @@ def test_cli_generate_with_a_tree_and_a_bad_shape(smol):
     assert json.loads(done.stdout)["stats"]["mean_accepted_length"] > 2
     bad = subprocess.run(base + ["--tree-shape", "[[1]]"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "elder sibling" in bad.stderr
+
+
+@pytest.mark.parametrize("speculation", [
+    {"shape": "chain", "k": 3},
+    {"shape": "tree", "tree": {"budget": 10, "depth": 3, "width": 3, "min_score": 0.0}},
+    {"shape": "tree", "tree": {"shape": ((0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0))}},
+], ids=["chain", "dynamic", "static"])
+def test_medusa_heads_trained_here_decode_exactly_like_the_target(smol, smol_medusa_heads, speculation):
+    """Heads trained in the session by the trainer, loaded from their files: batched greedy
+    output equals transformers' target alone, and the heads really propose accepted tokens."""
+    from dataclasses import replace
+
+    from specserve.decoder import SpeculativeDecoder
+    from specserve.loading import load_medusa
+    from specserve.protocol import SamplingParams, Speculation, TreeSpec
+    from specserve.verifier import Verifier
+
+    heads = load_medusa(SMOL, str(smol_medusa_heads), smol.target)
+    tree = speculation.get("tree")
+    spec = Speculation(proposer="medusa", shape=speculation["shape"], k=speculation.get("k", 4))
+    spec = replace(spec, tree=TreeSpec(**tree)) if tree else spec
+    decoder = SpeculativeDecoder(Verifier(smol.target, heads), tokenizer=smol.tokenizer, speculation=spec,
+                                 eos_token_ids=smol.eos_token_ids)
+    prompts = [chat_prompt(smol.tokenizer, q) for q in QUESTIONS]
+    outs = decoder.generate(prompts, SamplingParams(max_tokens=40))
+    eos = sorted(smol.eos_token_ids)[0]
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(smol.target.model, prompt, 40, eos_token_id=eos)
+    stats = decoder.last_report.stats
+    assert stats.mean_accepted_length > 1.2, stats

@@ -3,8 +3,9 @@
     python -m specserve.benchmarks.http --manifest manifests/local.yaml --concurrency 1 4
 
 Starts `serve run MANIFEST` (or uses a running server with --url), then streams greedy
-completions of HumanEval prompts at each concurrency, speculation on (the deployment's method)
-and off (`"speculation": {"method": "none"}` per request) in the same run. Prints aggregate
+completions of HumanEval prompts at each concurrency, speculation on (the deployment's own:
+a draft pool's, or Medusa heads' with manifests/local-medusa.yaml) and off
+(`"speculation": {"proposer": "none"}` per request) in the same run. Prints aggregate
 tokens/s, time to first token, the mean accepted length, and the router <-> pool round-trip
 overhead per round (wall time of the pool calls minus the pools' own compute time).
 """
@@ -151,8 +152,9 @@ def main(argv=None) -> int:
         for concurrency in args.concurrency:
             prompts = humaneval_prompts(max(args.prompts, concurrency))
             baseline = None
-            for label, method in (("none", "none"), ("draft", None)):
+            for method in ("none", None):  # off, then the deployment's own speculation
                 seconds, results = asyncio.run(run_level(args.url, model, prompts, args.max_tokens, concurrency, method))
+                label = results[0].speculation.get("proposer", method or "on")
                 tokens = sum(r.tokens for r in results)
                 steps = sum(r.speculation.get("target_steps", 0) for r in results)
                 overhead = statistics.mean(r.speculation.get("round_trip_overhead_ms_per_round", 0) for r in results)
