@@ -6,8 +6,8 @@ Loads the target, the 0.5B draft and the target's Medusa heads (`make heads`; `-
 for others) in one process and runs, batch 1, greedy, on HumanEval prompts the heads were not
 trained on (the first N problems; `specserve.heads.data.held_out`): target-only, the draft
 chain (k=4) and draft tree, then Medusa as a chain of the heads' top-1s, as dynamic trees of
-each node budget, and as a static tree derived from the per-rank acceptance the largest
-dynamic tree measured. With `--repeats 2` every system runs twice, in alternating order
+each node budget, and as static trees (of each `--static-budgets`) derived from the per-rank
+acceptance the largest dynamic tree measured; those run later, with a baseline of their own. With `--repeats 2` every system runs twice, in alternating order
 (A B .. B A), and the figures sum both runs, so drift on a noisy machine hits every system
 alike. Prints tokens/s, the speedup over target-only, the mean accepted length (tokens per
 target step, bonus included), draft nodes per round, and how many outputs equal target-only's.
@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16], help="Medusa dynamic tree budgets")
     parser.add_argument("--min-score", type=float, default=0.05, help="Medusa dynamic trees' min_score")
+    parser.add_argument("--static-budgets", type=int, nargs="+", default=[8, 16],
+                        help="node budgets of the static trees derived from the measured per-rank acceptance")
     parser.add_argument("--repeats", type=int, default=2, help="runs per system, in alternating order")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
@@ -107,21 +109,24 @@ def main(argv=None) -> int:
     run_all(systems)
     largest = systems[-1].stats
     rates = rank_acceptance(largest.num_accepted_tokens_per_rank, largest.num_reached_tokens_per_rank)
-    shape = shape_from_acceptance(rates, budget=sorted(args.budgets)[0], depth=depth)
-    print(f"# Medusa per-rank acceptance {[round(r, 3) for r in rates]} -> static shape {[list(p) for p in shape]}",
-          flush=True)
-    if shape:
-        static = System(f"specserve medusa, static from acceptance ({len(shape)})",
-                        Speculation(proposer="medusa", shape="tree", tree=TreeSpec(shape=shape)))
+    print(f"# Medusa per-rank acceptance {[round(r, 3) for r in rates]}", flush=True)
+    static = []
+    for budget in args.static_budgets:
+        shape = shape_from_acceptance(rates, budget=budget, depth=depth)
+        print(f"#   static shape for {budget} nodes: {[list(p) for p in shape]}", flush=True)
+        if shape:
+            static.append(System(f"specserve medusa, static from acceptance ({len(shape)})",
+                                 Speculation(proposer="medusa", shape="tree", tree=TreeSpec(shape=shape))))
+    if static:
         baseline_again = System("specserve none (target only), again", Speculation(proposer="none"))
-        run_all([static, baseline_again])  # with its own baseline: this pair ran later than the rest
-        systems += [static, baseline_again]
+        run_all([baseline_again, *static])  # with their own baseline: these ran later than the rest
+        systems += [*static, baseline_again]
 
     header = f"{'system':48} {'tok/s':>6} {'speedup':>8} {'acc.len':>8} {'nodes/rnd':>10} {'same output':>12}"
     print(header + "\n" + "-" * len(header), flush=True)
     rows = []
     for system in systems:
-        baseline = systems[-1] if system.name.startswith("specserve medusa, static") else systems[0]
+        baseline = systems[-1] if any(system is s for s in static) else systems[0]
         tps = system.stats.generated_tokens / system.seconds
         row = {"name": system.name, "speculation": system.speculation.describe(), "tokens_per_second": tps,
                "speedup": tps / (baseline.stats.generated_tokens / baseline.seconds),
