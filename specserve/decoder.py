@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from specserve.proposers import Proposer
 from specserve.protocol import DRAFT_POOL_PROPOSERS, SamplingParams, Speculation, SpecserveError, TreeSpec
@@ -46,16 +46,6 @@ class BatchReport:
         return self.stats.generated_tokens / self.seconds if self.seconds else 0.0
 
 
-def with_overrides(spec: Speculation, *, speculation: Speculation | None = None, method: str | None = None,
-                   proposer: str | None = None, shape: str | None = None, k: int | None = None,
-                   tree: TreeSpec | None = None, acceptance: str | None = None) -> Speculation:
-    """The library's keyword overrides on a speculation (a whole `speculation` replaces it).
-    `tree` is a whole TreeSpec here; `method` is the older spelling of proposer + shape."""
-    spec = speculation or spec
-    spec = spec.overridden(method=method, proposer=proposer, shape=shape, k=k, acceptance=acceptance)
-    return replace(spec, tree=tree) if tree is not None else spec
-
-
 class SpeculativeDecoder:
     """Speculative decoding in one process. `proposer` is a draft model's (proposer `draft`);
     a verifier built with heads proposes itself (proposer `medusa`, co-located)."""
@@ -77,7 +67,7 @@ class SpeculativeDecoder:
         self.proposer = proposer
         default = Speculation(proposer="draft" if proposer is not None
                               else "medusa" if verifier.heads is not None else "none")
-        self.speculation = with_overrides(default, speculation=speculation, method=method, k=k, tree=tree)
+        self.speculation = (speculation or default).overridden(method=method, k=k, tree=tree)
         self._check_proposer(self.speculation)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -132,8 +122,8 @@ class SpeculativeDecoder:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise SpecserveError("give one SamplingParams per prompt, or one for all")
-        spec = with_overrides(self.speculation, speculation=speculation, method=method, proposer=proposer,
-                              shape=shape, k=k, tree=tree, acceptance=acceptance)
+        spec = (speculation or self.speculation).overridden(method=method, proposer=proposer, shape=shape, k=k,
+                                                            tree=tree, acceptance=acceptance)
         self._check_proposer(spec)
         states = [RequestState(uuid.uuid4().hex, self._encode(prompt), p, spec, self.eos_token_ids, self.max_context)
                   for prompt, p in zip(prompts, params)]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from specserve import models
 from specserve.engine.torch_worker import TorchWorker
-from specserve.protocol import SpecserveError
 from specserve.proposers.draft_model import DraftModelProposer
 from specserve.verifier import Verifier
 
@@ -27,15 +27,12 @@ def eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def load_medusa(target: str, heads: str, worker: TorchWorker, *, min_confidence: float = 0.0):
-    """Medusa heads for a loaded target worker, on its device and dtype, as a proposer."""
-    from specserve.heads import heads_dir_for, missing_heads_message
-    from specserve.heads.medusa import CONFIG_FILE, load_heads
+def load_medusa(directory: Path, worker: TorchWorker, *, min_confidence: float = 0.0):
+    """Medusa heads (a directory from `specserve.heads.require_heads`) for a loaded target
+    worker, on its device and dtype, as a proposer."""
+    from specserve.heads.medusa import load_heads
     from specserve.proposers.medusa import MedusaProposer
 
-    directory = heads_dir_for(target, heads)
-    if not (directory / CONFIG_FILE).is_file():
-        raise SpecserveError(missing_heads_message(target, directory))
     return MedusaProposer(load_heads(directory, worker.model.lm_head.weight), vocab_size=worker.vocab_size,
                           min_confidence=min_confidence)
 
@@ -62,10 +59,9 @@ def load_pair(target: str, draft: str | None = None, *, heads: str | None = None
               device: str = "cpu") -> LoadedPair:
     """Load the target (and draft, and heads) into torch workers. A draft that does not share
     the target's vocabulary is refused before any weights are loaded, and so are missing heads."""
-    from specserve.heads import heads_dir_for, missing_heads_message
+    from specserve.heads import require_heads
 
-    if heads is not None and not (heads_dir_for(target, heads) / "config.json").is_file():
-        raise SpecserveError(missing_heads_message(target, heads_dir_for(target, heads)))
+    heads_dir = require_heads(target, heads) if heads is not None else None
     from transformers import AutoConfig
 
     tokenizer = models.load_tokenizer(target)
@@ -89,5 +85,5 @@ def load_pair(target: str, draft: str | None = None, *, heads: str | None = None
         tokenizer,
         eos_ids(target_model, tokenizer),
         max_context,
-        load_medusa(target, heads, target_worker) if heads is not None else None,
+        load_medusa(heads_dir, target_worker) if heads_dir is not None else None,
     )

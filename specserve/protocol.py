@@ -297,32 +297,36 @@ class Speculation:
         return f"{self.proposer}, {shape}, {'typical acceptance (LOSSY)' if self.lossy else 'exact'}"
 
     def overridden(self, *, method: str | None = None, proposer: str | None = None, shape: str | None = None,
-                   k: int | None = None, tree: dict | None = None, acceptance: str | None = None,
+                   k: int | None = None, tree: TreeSpec | None = None, acceptance: str | None = None,
                    typical: dict | None = None) -> Speculation:
         """This speculation with some settings replaced (a request's override, a CLI flag).
-        `method` is the older spelling of proposer + shape (see LEGACY_METHODS); it may not be
-        combined with them. `tree` and `typical` are partial: unset fields keep these ones."""
+        `method` is the older spelling of proposer + shape (see `from_method`). `typical` is
+        partial: unset fields keep these ones."""
         if method is not None:
-            if method in LEGACY_METHODS and (proposer is not None or shape is not None):
-                raise SpecserveError("give `proposer` and `shape`, or the older `method`, not both "
-                                     "(method tree = proposer draft + shape tree)")
-            if method in LEGACY_METHODS:
-                proposer, shape = LEGACY_METHODS[method]
-            elif method in PROPOSERS and proposer is None:  # method: medusa is proposer: medusa
-                proposer = method
-            else:
-                raise SpecserveError(
-                    f"unknown speculation method {method!r}; write `proposer` ({', '.join(PROPOSERS)}) "
-                    f"and `shape` ({', '.join(SHAPES)}) instead")
-        changes: dict = {}
-        for name, value in (("proposer", proposer), ("shape", shape), ("k", k), ("acceptance", acceptance)):
-            if value is not None:
-                changes[name] = value
-        if tree:
-            changes["tree"] = replace(self.tree, **tree)
+            proposer, shape = from_method(method, proposer, shape)
+        changes = {name: value for name, value in (("proposer", proposer), ("shape", shape), ("k", k),
+                                                   ("tree", tree), ("acceptance", acceptance)) if value is not None}
         if typical:
             changes["typical"] = replace(self.typical, **typical)
         return replace(self, **changes) if changes else self
+
+
+def from_method(method: str, proposer: str | None, shape: str | None) -> tuple[str | None, str | None]:
+    """(proposer, shape) for the older `method` spelling: none | draft | tree (LEGACY_METHODS),
+    which may not be combined with proposer or shape, or a proposer's name (method: medusa).
+
+    >>> from_method("tree", None, None)
+    ('draft', 'tree')
+    """
+    if method in LEGACY_METHODS:
+        if proposer is not None or shape is not None:
+            raise SpecserveError("give `proposer` and `shape`, or the older `method`, not both "
+                                 "(method tree = proposer draft + shape tree)")
+        return LEGACY_METHODS[method]
+    if method in PROPOSERS and proposer is None:
+        return method, shape
+    raise SpecserveError(f"unknown speculation method {method!r}; write `proposer` ({', '.join(PROPOSERS)}) "
+                         f"and `shape` ({', '.join(SHAPES)}) instead")
 
 
 @dataclass

@@ -154,7 +154,7 @@ def test_medusa_heads_trained_here_decode_exactly_like_the_target(smol, smol_med
     from specserve.protocol import SamplingParams, Speculation, TreeSpec
     from specserve.verifier import Verifier
 
-    heads = load_medusa(SMOL, str(smol_medusa_heads), smol.target)
+    heads = load_medusa(smol_medusa_heads, smol.target)
     tree = speculation.get("tree")
     spec = Speculation(proposer="medusa", shape=speculation["shape"], k=speculation.get("k", 4))
     spec = replace(spec, tree=TreeSpec(**tree)) if tree else spec

@@ -262,12 +262,12 @@ def _run_in_process(in_process, encoded, args, bar, machine) -> list[systems.Lib
 def _heads(args: argparse.Namespace) -> str | None:
     """The heads directory for the medusa rows, or None when there are none (they then report
     "cannot run" with the command that trains them)."""
-    from specserve.heads import heads_dir_for
+    from specserve.heads import find_heads
 
     if args.heads in (None, "", "none"):
         return None
-    directory = heads_dir_for(args.target, args.heads)
-    return str(directory) if (directory / "config.json").is_file() else None
+    directory = find_heads(args.target, args.heads)
+    return str(directory) if directory is not None else None
 
 
 def _local_dir(ref: str | None) -> str | None:

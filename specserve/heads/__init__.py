@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specserve.protocol import SpecserveError
+
 HEAD_METHODS = ("medusa",)
 
 
@@ -16,12 +18,19 @@ def default_heads_dir(target: str, method: str = "medusa") -> Path:
     return specserve_home() / "heads" / f"{name}-{method}"
 
 
-def heads_dir_for(target: str, heads: str) -> Path:
-    """`heads` as given in a manifest or on the command line ("default": where
-    `specserve train-heads` puts the target's Medusa heads)."""
-    return default_heads_dir(target) if heads == "default" else Path(heads)
+def find_heads(target: str, heads: str) -> Path | None:
+    """The directory `heads` names (as given in a manifest or on the command line; "default":
+    where `specserve train-heads` puts the target's Medusa heads), or None when no heads are
+    there."""
+    directory = default_heads_dir(target) if heads == "default" else Path(heads)
+    return directory if (directory / "config.json").is_file() else None
 
 
-def missing_heads_message(target: str, directory: Path) -> str:
-    return (f"no Medusa heads for {target} at {directory}; train them with `make heads` (the default target) "
-            f"or `specserve train-heads --method medusa --target {target} --out {directory}`")
+def require_heads(target: str, heads: str) -> Path:
+    """`find_heads`, refusing missing heads with the command that trains them."""
+    directory = find_heads(target, heads)
+    if directory is None:
+        where = default_heads_dir(target) if heads == "default" else Path(heads)
+        raise SpecserveError(f"no Medusa heads for {target} at {where}; train them with `make heads` (the default "
+                             f"target) or `specserve train-heads --method medusa --target {target} --out {where}`")
+    return directory

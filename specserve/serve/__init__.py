@@ -49,14 +49,12 @@ def check_heads(args: AppArgs) -> None:
     import json
     from pathlib import Path
 
-    from specserve.heads import heads_dir_for, missing_heads_message
+    from specserve.heads import require_heads
     from specserve.models import is_hub_id, resolve
 
     if args.target.heads is None:
         return
-    directory = heads_dir_for(args.target.model, args.target.heads)
-    if not (directory / "config.json").is_file():
-        raise SpecserveError(missing_heads_message(args.target.model, directory))
+    directory = require_heads(args.target.model, args.target.heads)
     heads = json.loads((directory / "config.json").read_text())
     if is_hub_id(args.target.model):
         return  # the target's config is fetched by the replicas; they compare shapes at load

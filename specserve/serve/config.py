@@ -10,8 +10,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specserve.protocol import (
-    ACCEPTANCES, DRAFT_POOL_PROPOSERS, HEAD_PROPOSERS, LEGACY_METHODS, MAX_K, MAX_TREE_NODES, PROPOSERS, SHAPES,
-    Speculation, SpecserveError, TreeSpec, TypicalAcceptance,
+    ACCEPTANCES, DRAFT_POOL_PROPOSERS, HEAD_PROPOSERS, MAX_K, MAX_TREE_NODES, PROPOSERS, SHAPES, Speculation,
+    SpecserveError, TreeSpec, TypicalAcceptance, from_method,
 )
 
 
@@ -125,14 +125,11 @@ class SpeculationArgs(_Strict):
         """`method: none | draft | tree` is the older spelling of proposer + shape."""
         if isinstance(data, dict) and "method" in data:
             data = dict(data)
-            method = data.pop("method")
-            if "proposer" in data or "shape" in data:
-                raise ValueError("give `proposer` and `shape`, or the older `method`, not both "
-                                 "(method: tree = proposer: draft + shape: tree)")
-            if method not in LEGACY_METHODS:
-                raise ValueError(f"unknown speculation method {method!r}; write `proposer` "
-                                 f"({', '.join(PROPOSERS)}) and `shape` ({', '.join(SHAPES)}) instead")
-            data["proposer"], data["shape"] = LEGACY_METHODS[method]
+            try:
+                proposer, shape = from_method(data.pop("method"), data.get("proposer"), data.get("shape"))
+            except SpecserveError as exc:
+                raise ValueError(str(exc)) from None
+            data.update({name: value for name, value in (("proposer", proposer), ("shape", shape)) if value})
         return data
 
     def spec(self) -> Speculation:

@@ -50,11 +50,10 @@ class SpeculationOverride(BaseModel):
 
     def apply_to(self, spec: Speculation) -> Speculation:
         """The deployment's speculation with this request's settings; checks the ranges."""
-        tree = self.tree.apply_to(spec.tree) if self.tree is not None else None
-        spec = spec.overridden(method=self.method, proposer=self.proposer, shape=self.shape, k=self.k,
+        return spec.overridden(method=self.method, proposer=self.proposer, shape=self.shape, k=self.k,
+                               tree=self.tree.apply_to(spec.tree) if self.tree is not None else None,
                                acceptance=self.acceptance,
                                typical=self.typical.model_dump(exclude_none=True) if self.typical else None)
-        return replace(spec, tree=tree) if tree is not None else spec
 
 
 class StreamOptions(BaseModel):

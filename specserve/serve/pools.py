@@ -197,9 +197,10 @@ class CoLocatedPool(_Verifying):
     tree (`VerifyRequest.propose_next` -> `VerifyResult.next_proposal`)."""
 
     def _heads(self):
+        from specserve.heads import require_heads
         from specserve.loading import load_medusa
 
-        heads = load_medusa(self.args["model"], self.args["heads"], self.worker)
+        heads = load_medusa(require_heads(self.args["model"], self.args["heads"]), self.worker)
         logger.info("CoLocatedPool: %d Medusa heads over %d tokens", heads.num_heads,
                     heads.heads.config.head_vocab_size)
         return heads
