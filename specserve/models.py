@@ -59,6 +59,7 @@ Log = Callable[[str], Any]
 
 MARKER = ".complete"  # written last; holds the sha256 of the GGUF the model came from
 SOURCE_INFO = "specserve-source.json"  # provenance of a converted model
+GENERATION_CONFIG = "generation_config.json"
 _CHUNK = 8 * 1024 * 1024
 
 
@@ -431,10 +432,12 @@ def pull(name: str, *, force: bool = False, log: Log = print) -> Path:
     spec = get_spec(name)
     final = model_dir(name)
     if not force and is_cached(name):
+        ensure_generation_eos(name, log=log)
         log(f"{name}: already cached at {final}")
         return final
     with _pull_lock(name):
         if not force and is_cached(name):  # another process finished it while we waited
+            ensure_generation_eos(name, log=log)
             log(f"{name}: already cached at {final}")
             return final
         t0 = time.monotonic()
@@ -463,6 +466,7 @@ def pull(name: str, *, force: bool = False, log: Log = print) -> Path:
         log(f"{name}: converting GGUF to a float32 safetensors checkpoint")
         try:
             convert_gguf(gguf_path, tmp, log=log)
+            write_generation_eos(tmp, spec.eos_token_ids)
             (tmp / SOURCE_INFO).write_text(
                 json.dumps(
                     {
@@ -501,6 +505,52 @@ def pull(name: str, *, force: bool = False, log: Log = print) -> Path:
         return final
 
 
+# --------------------------------------------------------------------------- generation config
+
+
+def _id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def write_generation_eos(directory: str | os.PathLike, eos_token_ids: Iterable[int]) -> bool:
+    """Make ``directory/generation_config.json`` list every id of ``eos_token_ids`` as
+    ``eos_token_id`` (after the ids it already lists), so tools that load the cached checkpoint
+    (vLLM, transformers' ``generate``) stop where specserve stops. Idempotent: writes only when
+    an id is missing, atomically; returns whether it wrote. A file listing ``151645`` given
+    ``[151645, 151643]`` ends up listing ``[151645, 151643]``.
+    """
+    wanted = _id_list(list(eos_token_ids))
+    if not wanted:
+        return False
+    path = Path(directory) / GENERATION_CONFIG
+    config = json.loads(path.read_text()) if path.exists() else {}
+    listed = _id_list(config.get("eos_token_id"))
+    missing = [i for i in dict.fromkeys(wanted) if i not in listed]
+    if not missing:
+        return False
+    config["eos_token_id"] = listed + missing
+    tmp = path.with_name(f".{GENERATION_CONFIG}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    return True
+
+
+def ensure_generation_eos(name: str, *, log: Log = print) -> None:
+    """A cached registry model's generation config lists the registry's EOS ids (copies cached
+    before specserve wrote them are fixed up in place). A read-only cache is left alone: specserve
+    itself sets the ids on the model when it loads it."""
+    spec = REGISTRY.get(name)
+    if spec is None or not spec.eos_token_ids:
+        return
+    try:
+        if write_generation_eos(model_dir(name), spec.eos_token_ids):
+            log(f"{name}: {GENERATION_CONFIG} now lists eos_token_id {list(spec.eos_token_ids)}")
+    except (OSError, ValueError) as exc:
+        log(f"{name}: could not update {GENERATION_CONFIG} ({type(exc).__name__}: {exc})")
+
+
 # --------------------------------------------------------------------------- resolve & load
 
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -529,6 +579,7 @@ def resolve(ref: str | os.PathLike, *, pull_missing: bool = True, log: Log = _st
     ref = os.fspath(ref)
     if ref in REGISTRY:
         if is_cached(ref):
+            ensure_generation_eos(ref, log=log)  # a copy cached before the ids were written
             return str(model_dir(ref))
         if pull_missing:
             return str(pull(ref, log=log))

