@@ -36,13 +36,51 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop a token when the tokens ranked above it already reach top_p; the top one stays.
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(_outside_top_p(logits, params.top_p), float("-inf"))
     return logits.softmax(-1)
+
+
+TOP_P_CANDIDATES = 1024  # top-p looks at this many tokens first; a full sort only if they fall short
+
+
+def _outside_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[n, V] bool: tokens top-p drops. A token is dropped when the tokens ranked above it
+    already reach top_p; the top one stays. Sorting 150k logits per row is the slow part, so
+    the ranking runs on the TOP_P_CANDIDATES most probable tokens, which hold the whole nucleus
+    in practice (every token outside them is then dropped); rows whose candidates do not reach
+    top_p are ranked in full. Same result either way."""
+    probs = logits.softmax(-1)
+    m = min(TOP_P_CANDIDATES, logits.shape[-1])
+    top, order = probs.topk(m, dim=-1)  # sorted, descending
+    if m < logits.shape[-1] and bool((top.sum(-1) < top_p).any()):
+        top, order = probs.sort(dim=-1, descending=True)
+    drop_sorted = (top.cumsum(-1) - top) >= top_p
+    drop = torch.ones_like(probs, dtype=torch.bool)
+    return drop.scatter_(-1, order, drop_sorted)
+
+
+class LazyTargetProbs:
+    """`target_probs` of a [n, V] block of logits, one row at a time on first use, on the
+    CPU in float32: acceptance walks one path of the tree and touches only the rows on it.
+
+    >>> rows = LazyTargetProbs(torch.tensor([[0., 1.], [2., 0.]]), SamplingParams(temperature=1.0))
+    >>> rows.shape, round(float(rows[1][0]), 3)
+    ((2, 2), 0.881)
+    """
+
+    def __init__(self, logits: torch.Tensor, params: SamplingParams):
+        self.logits = logits
+        self.params = params
+        self.shape = tuple(logits.shape)
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        if row not in self._rows:
+            self._rows[row] = target_probs(self.logits[row:row + 1].float().cpu(), self.params)[0]
+        return self._rows[row]
+
+    def dense(self) -> torch.Tensor:
+        return torch.stack([self[i] for i in range(self.shape[0])])
 
 
 def truncate_top_m(probs: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:

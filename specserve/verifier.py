@@ -14,7 +14,7 @@ from specserve.engine.torch_worker import ForwardItem, TorchWorker
 from specserve.proposers import HiddenStateProposer
 from specserve.protocol import SAMPLED, ProposeRequest, SpecserveError, TokenTree, VerifyRequest, VerifyResult
 from specserve.sampling import (
-    accept_greedy_tree, accept_rejection_tree, accept_typical_tree, densify, generator_for, target_probs,
+    LazyTargetProbs, accept_greedy_tree, accept_rejection_tree, accept_typical_tree, densify, generator_for,
 )
 
 
@@ -42,10 +42,10 @@ class Verifier:
         if request.params.greedy:
             out = accept_greedy_tree(draft, logits)  # chains are one-branch trees
         else:
-            p = target_probs(logits, request.params)
+            p = LazyTargetProbs(logits, request.params)  # only the rows acceptance visits
             generator = generator_for(request.seed)
             if request.typical is not None:  # opt-in, LOSSY
-                out = accept_typical_tree(draft, p, request.typical, generator)
+                out = accept_typical_tree(draft, p.dense(), request.typical, generator)
             else:
                 q = None
                 if request.law == SAMPLED and len(draft):

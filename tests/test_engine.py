@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from specserve.engine.torch_worker import ForwardItem, TorchWorker
+from specserve.engine.torch_worker import BLOCK_TOKENS, ForwardItem, TorchWorker
 from specserve.protocol import SpecserveError, TokenTree
 
 ATOL = 1e-5
@@ -123,11 +123,77 @@ def test_cache_miss_and_stale_cache_give_the_same_logits(model):
 
 
 def test_least_recently_used_caches_are_evicted_under_budget(model):
-    worker = TorchWorker(model, max_cached_tokens=150)
+    worker = TorchWorker(model, max_cached_tokens=2 * BLOCK_TOKENS)
     for rid in ("a", "b", "c"):
-        worker.forward([ForwardItem(rid, [1, 2, 3])])  # each reserves 64 slots
+        worker.forward([ForwardItem(rid, [1, 2, 3])])  # each takes one block
     assert worker.cache_stats()["requests"] == 2
     assert worker.cached_tokens("a") == []
+    assert worker.cache_stats()["evictions"] == 1
+
+
+def test_kv_budget_holds_under_many_requests_and_eviction_recomputes_exactly(model):
+    """40 requests take turns on a slab that holds a few of them: the slab never grows, the
+    least recently used caches go, and every evicted request's next call recomputes exactly."""
+    budget_blocks = 10  # one batch of 4 needs at most 8
+    worker = TorchWorker(model, max_cached_tokens=budget_blocks * BLOCK_TOKENS)
+    gen = torch.Generator().manual_seed(5)
+    seqs = {f"r{i}": torch.randint(0, 97, (int(torch.randint(5, 30, (1,), generator=gen)),), generator=gen).tolist()
+            for i in range(40)}
+    rids = list(seqs)
+    for round_ in range(3):
+        for i in range(0, len(rids), 4):  # batches of 4 requests, each one token longer per round
+            batch = rids[i:i + 4]
+            items = [ForwardItem(rid, seqs[rid] + list(range(round_))) for rid in batch]
+            for item, logits in zip(items, worker.forward(items)):
+                assert torch.allclose(logits[0], reference_logits(model, item.token_ids)[-1], atol=ATOL)
+            stats = worker.cache_stats()
+            assert stats["kv_capacity_tokens"] == budget_blocks * BLOCK_TOKENS
+            used = stats["kv_capacity_tokens"] - stats["kv_free_tokens"]
+            assert used <= budget_blocks * BLOCK_TOKENS
+    assert worker.cache_stats()["evictions"] > 0
+    with pytest.raises(SpecserveError, match="cannot hold this pass"):
+        worker.forward([ForwardItem("long", list(range(97)) * 2)])  # 194 tokens > 160 slots
+
+
+def test_ragged_batch_equals_one_at_a_time(model):
+    """Requests of very different lengths in one pass (prefill, decode, a tree, a tree
+    extension) give the rows each gives alone: nothing is padded to the widest."""
+    gen = torch.Generator().manual_seed(9)
+    seqs = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (2, 40, 9, 17)]
+    alone, together = TorchWorker(model), TorchWorker(model)
+    for w in (alone, together):
+        for i in (1, 2):
+            w.forward([ForwardItem(f"r{i}", seqs[i][:-3])])
+    items = [
+        ForwardItem("r0", seqs[0]),  # new: a prefill of 2
+        ForwardItem("r1", seqs[1][:-2]),  # decode after a 1-token gap
+        ForwardItem("r2", seqs[2][:-3], TREES["2x2"]),  # a tree
+        ForwardItem("r3", seqs[3], TREES["unbalanced"]),  # prefill and a tree
+    ]
+    expected = [alone.forward([item])[0] for item in items]
+    for got, want in zip(together.forward(items), expected):
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, atol=ATOL)
+
+
+def test_chunked_prefill_equals_one_prefill(model):
+    """A prompt cached chunk by chunk (queued prefill riding along with other requests'
+    passes) gives the same logits and the same keys and values as one prefill."""
+    ids = torch.randint(0, 97, (45,), generator=torch.Generator().manual_seed(2)).tolist()
+    [expected] = TorchWorker(model).forward([ForwardItem("r", ids)])
+    worker = TorchWorker(model)
+    worker.forward([ForwardItem("other", [1, 2])])
+    for end in (16, 32):
+        worker.queue_prefill("r", ids[:end])
+        worker.forward([ForwardItem("other", [1, 2, end])])  # the chunk rides along
+        assert worker.cached_tokens("r") == ids[:end]
+        assert worker.uncached_tokens("r", ids) == len(ids) - end
+    [logits] = worker.forward([ForwardItem("r", ids)])
+    assert torch.allclose(logits, expected, atol=ATOL)
+    assert torch.allclose(worker.cached_kv("r"), fresh_kv(model, ids), atol=ATOL)
+    worker.queue_prefill("r", ids)  # a queued chunk and a call for the same request: the call wins
+    worker.forward([ForwardItem("r", ids)])
+    assert worker.cached_tokens("r") == ids
 
 
 def test_bad_calls_are_refused(model):

@@ -86,10 +86,10 @@ class _Draft:
         for node, row in zip(self._frontier, rows):
             if params.greedy:
                 probs, ids = row.float().softmax(-1).topk(self.growth.max_children)
-                options[node] = (ids, probs, None)
-            else:
-                ids, probs = truncate_top_m(target_probs(row[None], params), top_m)
-                options[node] = (ids[0], probs[0], (ids[0], probs[0]))
+                options[node] = (ids.cpu(), probs.cpu(), None)
+            else:  # the truncated distribution comes to the CPU, where the generator is
+                ids, probs = (t[0].cpu() for t in truncate_top_m(target_probs(row[None], params), top_m))
+                options[node] = (ids, probs, (ids, probs))
         counts = self.growth.allocate({node: probs[: self.growth.max_children].tolist()
                                        for node, (_, probs, _) in options.items()})
         for node, (ids, probs, dist) in options.items():
