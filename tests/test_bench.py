@@ -3,13 +3,14 @@ table rows, valid PNGs, unavailable systems reported with a reason, and a wrong 
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
 from conftest import tiny_heads, perturbed, tiny_model
 from specserve import models
-from specserve.benchmarks import library, suite, systems, workloads
+from specserve.benchmarks import library, suite, systems, vllm_runner, workloads
 from specserve.protocol import LEGACY_METHODS
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
@@ -43,10 +44,10 @@ def tiny_pair(tmp_path_factory):
 
 def _wrong_when_k2(real):
     """A deliberately wrong system: specserve draft with k=2 whose last token is changed."""
-    def run(decoder, name, prompt_ids, max_tokens, method, k, **kwargs):
-        result = real(decoder, name, prompt_ids, max_tokens, method, k, **kwargs)
-        if k == 2 and result.outputs[0]:
-            result.outputs[0][-1] = (result.outputs[0][-1] + 1) % 300
+    def run(decoder, system, batch, max_tokens):
+        result = real(decoder, system, batch, max_tokens)
+        if system.options.get("k") == 2 and result.token_ids[0]:
+            result.token_ids[0][-1] = (result.token_ids[0][-1] + 1) % 300
         return result
     return run
 
@@ -55,7 +56,7 @@ def test_bench_library_mode_end_to_end(tiny_pair, tmp_path, monkeypatch):
     monkeypatch.setattr(systems, "SPECSERVE_VARIANTS", [*systems.SPECSERVE_VARIANTS, ("draft", {"k": 2}),
                                                         ("tree", {"tree": {"budget": 4, "depth": 2}}),
                                                         ("no-such-method", {})])
-    monkeypatch.setattr(library, "run_specserve", _wrong_when_k2(library.run_specserve))
+    monkeypatch.setattr(library, "specserve_call", _wrong_when_k2(library.specserve_call))
     out, docs = tmp_path / "out", tmp_path / "docs"
     on_disk_before_service = {}
     real_service_mode = suite._service_mode
@@ -126,18 +127,199 @@ def test_bench_library_mode_end_to_end(tiny_pair, tmp_path, monkeypatch):
     assert (tmp_path / "again" / "results.md").read_text() == md
 
 
+def _run(system, engine, method, seconds, tokens, batch=1, **kwargs):
+    return systems.LibraryRun(system, engine, method, "code", batch,
+                              calls=[systems.Call(["a"], seconds, [tokens])], **kwargs)
+
+
+def _fake_vllm(order: list[str], requests: list[dict]):
+    """A vLLM runner stand-in: eager is faster at batch 1, compiled at batch 2, and compiled cannot
+    start a draft_model engine."""
+    def run(request, python, log_path, bar, calls, timeout_s, title):
+        order.append(title)
+        requests.append(request)
+        bar.update(calls)
+        settings = request["settings"]
+        if settings == "compiled" and (request["speculative_config"] or {}).get("method") == "draft_model":
+            return {"status": "failed", "error": "RuntimeError: no compile here\ntraceback ...",
+                    "settings": vllm_runner.describe(settings)}
+        seconds = {("eager", 1): 1.0, ("compiled", 1): 2.0, ("eager", 2): 2.0, ("compiled", 2): 1.0}
+        return {"status": "ok", "settings": vllm_runner.describe(settings), "load_s": 5.0, "cells": [
+            {"workload": cell["workload"], "batch": cell["batch"], "spec_decode": {},
+             "calls": [{"token_ids": [[7, 8, 9] for _ in batch], "seconds": seconds[settings, cell["batch"]]}
+                       for batch in cell["calls"]]}
+            for cell in request["cells"]]}
+    return run
+
+
+def test_bench_interleaves_passes_and_keeps_vllms_fastest_settings(tiny_pair, tmp_path, monkeypatch):
+    order: list[str] = []
+    requests: list[dict] = []
+    monkeypatch.setattr(library, "run_vllm_subprocess", _fake_vllm(order, requests))
+    real_call = library.specserve_call
+
+    def specserve_call(decoder, system, batch, max_tokens):
+        if max_tokens != library.WARM_UP_TOKENS:
+            order.append(system.name)
+        assert decoder.eos_token_ids == {tokenizer_eos}  # the decoder stops on the bench's stop ids
+        return real_call(decoder, system, batch, max_tokens)
+
+    monkeypatch.setattr(library, "specserve_call", specserve_call)
+    tokenizer_eos = models.load_tokenizer(str(tiny_pair["target"])).eos_token_id
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho 0.32.0\n")
+    python.chmod(0o755)
+    out = tmp_path / "out"
+    assert suite.main(["--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["draft"]), "--heads", "none",
+                       "--dtype", "float32", "--workloads", "code", "--prompts", "2", "--max-tokens", "5",
+                       "--modes", "library", "--systems", "specserve none", "vllm*", "--batch-sizes", "1", "2",
+                       "--repeats", "2", "--vllm-python", str(python), "--out", str(out), "--no-progress",
+                       "--threads", "1"]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["setup"]["stop_token_ids"] == [tokenizer_eos]
+    assert all(r["stop_token_ids"] == [tokenizer_eos] for r in requests)  # vLLM stops on the same ids
+
+    # A B C D, then D C B A; in the first pass every vLLM system under both settings, later only the winners
+    turns = [name for name, _ in itertools.groupby(order)]  # a specserve pass makes several calls
+    assert turns == ["specserve none",
+                     "vllm none [eager]", "vllm none [compiled]", "vllm draft_model k=4 [eager]",
+                     "vllm draft_model k=4 [compiled]", "vllm ngram k=4 [eager]", "vllm ngram k=4 [compiled]",
+                     "vllm ngram k=4 [eager]", "vllm ngram k=4 [compiled]", "vllm draft_model k=4 [eager]",
+                     "vllm none [eager]", "vllm none [compiled]",
+                     "specserve none"]
+    assert [c["batch"] for c in requests[6]["cells"]] == [1] and [c["batch"] for c in requests[7]["cells"]] == [2]
+
+    by = {(r["system"], r["batch"]): r for r in doc["library"]}
+    assert by["vllm none", 1]["settings"]["name"] == "eager" and by["vllm none", 2]["settings"]["name"] == "compiled"
+    assert by["vllm none", 1]["settings"]["enforce_eager"] is True
+    assert by["vllm none", 1]["settings"]["env VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert by["vllm none", 1]["tokens_per_second_by_repeat"] == pytest.approx([3.0, 3.0])  # 3 tokens a second
+    assert by["vllm none", 2]["tokens_per_second_by_repeat"] == pytest.approx([6.0, 6.0])  # 2 x 3 tokens a second
+    assert by["vllm draft_model k=4", 2]["settings"]["name"] == "eager"  # the only one that started
+    assert "compiled failed" in by["vllm draft_model k=4", 2]["note"]
+    for batch in (1, 2):
+        none = by["specserve none", batch]
+        assert none["status"] == "ok" and len(none["prompts"]) == 2
+        assert none["tokens_per_second_by_repeat"] and len(none["tokens_per_second_by_repeat"]) == 2
+        assert none["vs_vllm_system"] == "vllm none" and none["vs_vllm"] > 0
+    failed = [t for t in doc["vllm_settings"] if t["status"] != "ok"]
+    assert {t["system"] for t in failed} == {"vllm draft_model k=4"}
+    assert "no compile here" in failed[0]["reason"] and "traceback" not in failed[0]["reason"]
+
+    md = (out / "results.md").read_text()
+    assert "### vLLM engine settings" in md and "Throughput (tok/s) by batch size" in md
+    assert "specserve against vLLM" in md and "RuntimeError: no compile here" in md
+    assert (out / "batch_throughput.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_compare_flags_mismatches_and_speedups():
-    run = systems.LibraryRun
-    prompt = systems.PromptRun
-    none = run("specserve none", "specserve", "none", "code", prompts=[prompt("a", 2.0, [1, 2, 3])])
-    fast = run("specserve draft k=4", "specserve", "draft", "code", prompts=[prompt("a", 1.0, [1, 2, 3])])
-    wrong = run("specserve tree", "specserve", "tree", "code", prompts=[prompt("a", 0.5, [1, 9, 3])])
-    hf = run("transformers target only", "transformers", "none", "code", prompts=[prompt("a", 2.0, [1, 2, 4])])
+    none = _run("specserve none", "specserve", "none", 2.0, [1, 2, 3])
+    fast = _run("specserve draft k=4", "specserve", "draft", 1.0, [1, 2, 3])
+    wrong = _run("specserve tree", "specserve", "tree", 0.5, [1, 9, 3])
+    hf = _run("transformers target only", "transformers", "none", 2.0, [1, 2, 4])
     systems.compare([none, fast, wrong, hf])
     assert fast.speedup == pytest.approx(2.0) and not fast.mismatch
     assert wrong.speedup == pytest.approx(4.0) and wrong.mismatch and wrong.first_difference == [1]
     assert hf.reference == "" and not hf.mismatch  # its own target-only reference is itself
     assert hf.same_as_specserve_none == 0
+
+
+def test_compare_gives_specserve_ratios_to_vllm_at_the_same_batch():
+    """Target-only against vLLM none, speculative against vLLM's fastest speculative system."""
+    runs = [_run("specserve none", "specserve", "none", 3.0, [1, 2, 3]),
+            _run("specserve draft k=4", "specserve", "draft", 1.0, [1, 2, 3]),
+            _run("vllm none", "vllm", "none", 2.0, [1, 2, 3]),
+            _run("vllm draft_model k=4", "vllm", "draft_model", 1.5, [1, 2, 3]),
+            _run("vllm ngram k=4", "vllm", "ngram", 1.0, [1, 2, 3]),
+            _run("specserve none", "specserve", "none", 1.0, [1, 2, 3, 4], batch=4),  # another batch: its own group
+            _run("vllm none", "vllm", "none", 4.0, [1, 2, 3, 4], batch=4)]
+    systems.compare(runs)
+    by = {(r.system, r.batch): r for r in runs}
+    assert by["specserve none", 1].vs_vllm == pytest.approx((3 / 3.0) / (3 / 2.0))
+    assert by["specserve draft k=4", 1].vs_vllm == pytest.approx(3 / 3)  # vs ngram, vLLM's fastest speculative
+    assert by["specserve draft k=4", 1].vs_vllm_system == "vllm ngram k=4"
+    assert by["specserve none", 4].vs_vllm == pytest.approx(4.0) and by["specserve none", 4].speedup == 1.0
+    assert by["vllm none", 1].vs_vllm is None
+
+
+def test_library_run_sums_every_pass_and_compares_the_first():
+    run = systems.LibraryRun("s", "specserve", "none", "code", 2, calls=[
+        systems.Call(["a", "b"], 1.0, [[1, 2], [3]], repeat=0),
+        systems.Call(["a", "b"], 3.0, [[1, 2], [3]], repeat=1)])
+    assert run.tokens == 6 and run.tokens_per_second == pytest.approx(1.5)
+    assert run.tokens_per_second_by_repeat == pytest.approx([3.0, 1.0])
+    assert run.outputs == [[1, 2], [3]] and run.prompts == ["a", "b"]
+    assert run.latency_p50_s == pytest.approx(2.0)
+
+
+def test_cells_are_full_batches_of_the_same_prompts():
+    workload = workloads.Workload("code", "x", False, tuple(workloads.Prompt(f"p{i}", "") for i in range(16)))
+    ids = [[i] for i in range(16)]
+    assert library.prompts_needed(8, [1, 4, 8, 16]) == 16 and library.prompts_needed(3, [2]) == 4
+    cells = {c.batch: c for c in library.make_cells([(workload, ids)], [1, 4, 16], 8)}
+    assert [len(batch) for _, batch in cells[1].calls] == [1] * 8
+    assert [names for names, _ in cells[4].calls] == [["p0", "p1", "p2", "p3"], ["p4", "p5", "p6", "p7"]]
+    assert cells[16].calls[0][1] == ids
+    with pytest.raises(ValueError, match="batch 16 needs 16"):
+        library.make_cells([(workload, ids[:8])], [16], 8)
+
+
+def test_presets_fill_what_the_command_line_leaves_out():
+    parse = suite.build_parser().parse_args
+
+    args = parse(["--preset", "batch"])
+    suite.resolve_defaults(args)
+    assert args.batch_sizes == [1, 4, 8, 16] and args.modes == ["library"] and args.repeats == 2
+    assert args.vllm_settings == "auto" and args.prompts == 8 and args.max_tokens == 128
+    assert "vllm draft_model k=4" in args.systems
+
+    args = parse(["--preset", "batch", "--quick", "--max-tokens", "4"])  # quick's sizes, the preset's systems
+    suite.resolve_defaults(args)
+    assert args.batch_sizes == [1, 4, 8, 16] and args.prompts == 1 and args.max_tokens == 4 and args.repeats == 1
+    assert args.vllm_settings == "eager"
+
+    args = parse(["--preset", "http"])
+    suite.resolve_defaults(args)
+    assert args.modes == ["service"] and args.manifest == "manifests/local.yaml" and args.concurrency == [1, 4]
+    assert args.service_requests == 4 and args.service_max_tokens == 128
+
+    args = parse([])
+    suite.resolve_defaults(args)
+    assert args.modes == ["library", "service"] and args.batch_sizes == [1] and args.systems is None
+    assert args.service_max_tokens == 64 and args.workloads == ["code", "chat"]
+
+
+@pytest.mark.parametrize("module, preset", [("engine", "engine"), ("trees", "trees"), ("medusa", "medusa"),
+                                            ("http", "http")])
+def test_older_benchmark_scripts_are_presets(module, preset, monkeypatch):
+    import importlib
+
+    seen = []
+    monkeypatch.setattr(suite, "main", lambda argv: seen.append(argv) or 0)
+    assert importlib.import_module(f"specserve.benchmarks.{module}").main(["--prompts", "2"]) == 0
+    assert seen == [["--preset", preset, "--prompts", "2"]]
+
+
+def test_memory_per_token_reads_the_worker_when_it_reports(monkeypatch):
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, hidden_size=1536)
+    plain = SimpleNamespace(model=SimpleNamespace(config=config))
+    reporting = SimpleNamespace(model=SimpleNamespace(config=config), kv_bytes_per_token=lambda: 30000)
+    memory = suite.memory_per_token(SimpleNamespace(target=reporting, draft=plain), "bfloat16")
+    assert memory["target"] == {"specserve_kv_bytes_per_token": 30000, "k_and_v_bytes_per_token": 28672}
+    assert memory["draft"]["specserve_kv_bytes_per_token"] is None  # before the worker reports it
+
+
+def test_stop_ids_are_the_registry_the_config_and_the_tokenizer(tmp_path):
+    from types import SimpleNamespace
+
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [5, 7]}')
+    assert suite.stop_token_ids(str(tmp_path), SimpleNamespace(eos_token_id=9)) == [5, 7, 9]
+    ids = models.REGISTRY["qwen2.5-coder-1.5b-instruct"].eos_token_ids
+    assert set(ids) <= set(suite.stop_token_ids("qwen2.5-coder-1.5b-instruct", SimpleNamespace(eos_token_id=None)))
 
 
 def test_workload_subsets_are_fixed_by_the_seed():

@@ -1,29 +1,22 @@
-"""Service-mode benchmark: specserve served by Ray Serve, measured through its HTTP API.
+"""HTTP client side of service mode: streaming completions, concurrent levels, `serve run`.
 
-    python -m specserve.benchmarks.http --manifest manifests/local.yaml --concurrency 1 4
+    python -m specserve.benchmarks.http [flags]     # the same as: specserve bench --preset http [flags]
 
-Starts `serve run MANIFEST` (or uses a running server with --url), then streams greedy
-completions of HumanEval prompts at each concurrency, speculation on (the deployment's own:
-a draft pool's, or Medusa heads' with manifests/local-medusa.yaml) and off
-(`"speculation": {"proposer": "none"}` per request) in the same run. Prints aggregate
-tokens/s, time to first token, the mean accepted length, and the router <-> pool round-trip
-overhead per round (wall time of the pool calls minus the pools' own compute time).
+`specserve bench`'s service mode (service.py) uses these; this module's main is the `http` preset
+(`serve run manifests/local.yaml`, HumanEval at 1 and 4 streams, speculation off and on; --url
+measures a server already running, --manifest manifests/local-medusa.yaml serves Medusa heads).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-
-from specserve.benchmarks.engine import humaneval_prompts
 
 
 @dataclass
@@ -127,55 +120,11 @@ def stop_server(server: subprocess.Popen) -> None:
         pass
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--manifest", help="start `serve run MANIFEST` for the benchmark, then stop it")
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--prompts", type=int, default=4, help="HumanEval prompts per level (at least the concurrency)")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    """`python -m specserve.benchmarks.http` is `specserve bench --preset http`."""
+    from specserve.benchmarks.suite import main as bench
 
-    import httpx
-
-    server = start_server(args.manifest) if args.manifest else None
-    try:
-        wait_healthy(args.url, 900, server)
-        model = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
-        # warm-up: allocator growth, first-call paths
-        asyncio.run(run_level(args.url, model, humaneval_prompts(1), 8, 1, None))
-        rows = []
-        header = (f"{'speculation':12} {'streams':>7} {'tok/s':>7} {'speedup':>8} {'TTFT p50':>9} "
-                  f"{'acc.len':>8} {'overhead/round':>15}")
-        print(header + "\n" + "-" * len(header), flush=True)
-        for concurrency in args.concurrency:
-            prompts = humaneval_prompts(max(args.prompts, concurrency))
-            baseline = None
-            for method in ("none", None):  # off, then the deployment's own speculation
-                seconds, results = asyncio.run(run_level(args.url, model, prompts, args.max_tokens, concurrency, method))
-                label = results[0].speculation.get("proposer", method or "on")
-                tokens = sum(r.tokens for r in results)
-                steps = sum(r.speculation.get("target_steps", 0) for r in results)
-                overhead = statistics.mean(r.speculation.get("round_trip_overhead_ms_per_round", 0) for r in results)
-                row = {"speculation": label, "streams": concurrency, "tokens_per_second": tokens / seconds,
-                       "ttft_p50_s": statistics.median(r.ttft_s for r in results),
-                       "mean_accepted_length": tokens / steps if steps else 0.0,
-                       "overhead_ms_per_round": overhead, "texts": [r.text for r in results]}
-                baseline = baseline or row
-                row["speedup"] = row["tokens_per_second"] / baseline["tokens_per_second"]
-                row["same_output"] = sum(a == b for a, b in zip(row["texts"], baseline["texts"]))
-                rows.append(row)
-                print(f"{label:12} {concurrency:>7} {row['tokens_per_second']:7.2f} {row['speedup']:7.2f}x "
-                      f"{row['ttft_p50_s']:8.2f}s {row['mean_accepted_length']:8.2f} {overhead:12.1f} ms"
-                      f"   (same output as none: {row['same_output']}/{len(results)})", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "rows": rows}, f, indent=1)
-    finally:
-        if server is not None:
-            stop_server(server)
-    return 0
+    return bench(["--preset", "http", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

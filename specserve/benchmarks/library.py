@@ -1,24 +1,34 @@
-"""Library mode: every system in turn, batch 1, greedy, on the same token ids.
+"""Library mode: every system on the same token ids, greedy, at each batch size, interleaved.
 
-specserve and transformers run in this process on the same loaded weights (transformers runs
-the target's and draft's own Hugging Face modules). vLLM runs in its own virtual environment:
-`vllm_runner.py` subprocesses, JSON in and out, one per configuration (all in one with --quick).
+Systems take turns in passes (A B C, then C B A, ...: ``--repeats``), so drift on a shared
+machine hits every system alike, and every figure is a sum over the passes. specserve and
+transformers run in this process on the same loaded weights (transformers runs the target's and
+draft's own Hugging Face modules). vLLM runs in its own virtual environment: a `vllm_runner.py`
+subprocess per pass, JSON in and out (its engine start is reported, never timed). In the first
+pass every vLLM system runs under each engine setting tried (``--vllm-settings``, see
+``vllm_runner.SETTINGS``); the fastest at each batch size runs the later passes and is the one
+reported, and the others are listed with their figures or the reason they failed.
+
+At batch b a workload's first ``b * ceil(prompts / b)`` prompts go in calls of b prompts each
+(``make_cells``), the same calls for every system, and every system stops on the same ids.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from specserve.benchmarks.engine import run_hf, run_specserve
-from specserve.benchmarks.systems import CANNOT_RUN, FAILED, LibraryRun, PromptRun, System
+from specserve.benchmarks import vllm_runner
+from specserve.benchmarks.systems import CANNOT_RUN, FAILED, OK, Call, LibraryRun, System
 from specserve.benchmarks.workloads import Workload
 
 # (workload, the prompts as token ids)
@@ -27,6 +37,46 @@ Encoded = list[tuple[Workload, list[list[int]]]]
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+WARM_UP_TOKENS = 4
+
+
+@dataclass
+class Cell:
+    """One workload at one batch size: the calls every system makes, (prompt ids, token ids) each."""
+
+    workload: str
+    batch: int
+    calls: list[tuple[list[str], list[list[int]]]]
+
+
+@dataclass
+class CallResult:
+    token_ids: list[list[int]]  # per prompt, each cut after its first stop id
+    seconds: float
+    target_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_rank: list[int] = field(default_factory=list)
+    reached_per_rank: list[int] = field(default_factory=list)
+
+
+def prompts_needed(prompts: int, batch_sizes: list[int]) -> int:
+    """How many prompts a workload must have for full batches at every size."""
+    return max(b * math.ceil(prompts / b) for b in batch_sizes)
+
+
+def make_cells(encoded: Encoded, batch_sizes: list[int], prompts: int) -> list[Cell]:
+    """At batch b, the first ``b * ceil(prompts / b)`` prompts of each workload, b per call: every
+    call is a full batch. With 8 prompts: batch 1 -> 8 calls, 4 -> 2, 8 -> 1, 16 -> 1 of 16 prompts."""
+    cells = []
+    for workload, ids in encoded:
+        for b in batch_sizes:
+            n = b * math.ceil(prompts / b)
+            if n > len(ids):
+                raise ValueError(f"workload {workload.name} has {len(ids)} prompts; batch {b} needs {n}")
+            names = [p.id for p in workload.prompts[:n]]
+            cells.append(Cell(workload.name, b, [(names[i:i + b], ids[i:i + b]) for i in range(0, n, b)]))
+    return cells
 
 
 def _error(exc: BaseException) -> str:
@@ -34,81 +84,147 @@ def _error(exc: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
-def _not_run(system: System, encoded: Encoded, status: str, reason: str) -> list[LibraryRun]:
-    return [LibraryRun(system.name, system.engine, system.method, w.name, status=status, reason=reason)
-            for w, _ in encoded]
+def _skip(runs: list[LibraryRun], cells: list[Cell], status: str, reason: str, bar) -> None:
+    for run, cell in zip(runs, cells):
+        if run.status == OK:
+            run.status, run.reason = status, reason
+        bar.update(len(cell.calls))
 
 
-def run_in_process(systems: list[System], encoded: Encoded, pair, decoder, max_tokens: int, bar) -> list[LibraryRun]:
-    """specserve and transformers systems on a loaded pair (`specserve.loading.LoadedPair`)."""
-    runs: list[LibraryRun] = []
-    for system in systems:
-        bar.set_description(system.name)
-        runs += _run_one(system, encoded, pair, decoder, max_tokens, bar)
-    return runs
+def _record(run: LibraryRun, names: list[str], result: CallResult, repeat: int) -> None:
+    run.calls.append(Call(list(names), result.seconds, [list(ids) for ids in result.token_ids], repeat))
+    run.target_steps += result.target_steps
+    run.num_draft_tokens += result.draft_tokens
+    run.num_accepted_tokens += result.accepted_tokens
+    run.add_counts(result.accepted_per_rank, result.reached_per_rank)
 
 
-def _run_one(system: System, encoded: Encoded, pair, decoder, max_tokens: int, bar) -> list[LibraryRun]:
-    n_prompts = sum(len(ids) for _, ids in encoded)
-    if system.needs_draft and pair.draft is None:
-        bar.update(n_prompts)
-        return _not_run(system, encoded, CANNOT_RUN, "needs a draft model (--draft)")
-    if system.needs_heads and pair.heads is None:
-        bar.update(n_prompts)
-        return _not_run(system, encoded, CANNOT_RUN, "needs Medusa heads for the target (`make heads`, or --heads DIR)")
-    if system.engine == "specserve":
-        from specserve.protocol import LEGACY_METHODS, PROPOSERS
+def run_library(systems: list[System], cells: list[Cell], *, repeats: int, in_process, vllm, bar, save,
+                phase: int = 0) -> list[LibraryRun]:
+    """Every system over every cell, ``repeats`` passes in alternating order (A B C, C B A, ...).
+    ``in_process`` runs specserve and transformers (an InProcess, or a string saying why the models
+    could not load), ``vllm`` the vLLM systems; ``save(runs)`` is called after each pass."""
+    runs = {(s.name, c.workload, c.batch): LibraryRun(s.name, s.engine, s.method, c.workload, c.batch, phase=phase)
+            for s in systems for c in cells}
+    for repeat in range(repeats):
+        for system in (systems if repeat % 2 == 0 else systems[::-1]):
+            mine = [runs[system.name, c.workload, c.batch] for c in cells]
+            bar.set_description(f"{system.name} (pass {repeat + 1}/{repeats})")
+            if system.engine == "vllm":
+                vllm.run_pass(system, cells, mine, repeat, bar)
+            elif isinstance(in_process, str):
+                _skip(mine, cells, CANNOT_RUN, in_process, bar)
+            else:
+                in_process.run_pass(system, cells, mine, repeat, bar)
+            save(list(runs.values()))
+    return list(runs.values())
 
-        known = set(LEGACY_METHODS) | set(PROPOSERS)
-        if system.method not in known:
-            bar.update(n_prompts)
-            return _not_run(system, encoded, CANNOT_RUN, f"method {system.method!r} is not in this specserve "
-                                                         f"(known: {', '.join(sorted(known))})")
-        options = dict(system.options)
-        k = options.pop("k", None)
-        if isinstance(options.get("tree"), dict):  # JSON settings (as a request sends them) -> TreeSpec
-            from specserve.protocol import TreeSpec
 
-            options["tree"] = TreeSpec(**options["tree"])
+# --------------------------------------------------------------------------- specserve, transformers
 
-        def generate(ids, tokens):
-            result = run_specserve(decoder, system.name, [ids], tokens, system.method, k, **options)
-            return result.outputs[0], result
-    else:
+
+def specserve_call(decoder, system: System, batch: list[list[int]], max_tokens: int) -> CallResult:
+    """One `SpeculativeDecoder.generate` call on a batch of prompts (the decoder's stop ids)."""
+    from specserve.protocol import SamplingParams, TreeSpec
+    from specserve.request_state import SpecStats
+
+    options = dict(system.options)
+    k = options.pop("k", None)
+    if isinstance(options.get("tree"), dict):  # JSON settings (as a request sends them) -> TreeSpec
+        options["tree"] = TreeSpec(**options["tree"])
+    start = time.perf_counter()
+    outs = decoder.generate(batch, SamplingParams(max_tokens=max_tokens), method=system.method, k=k, **options)
+    seconds = time.perf_counter() - start
+    stats = SpecStats()
+    for out in outs:
+        stats.merge(out.stats)
+    return CallResult([list(out.token_ids) for out in outs], seconds, stats.target_steps, stats.num_draft_tokens,
+                      stats.num_accepted_tokens, list(stats.num_accepted_tokens_per_rank),
+                      list(stats.num_reached_tokens_per_rank))
+
+
+def hf_call(model, batch: list[list[int]], max_tokens: int, stop_ids: list[int], **generate_kwargs) -> CallResult:
+    """transformers' ``generate`` on a batch (left-padded), stopping on ``stop_ids``."""
+    import torch
+
+    pad = stop_ids[0]
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for ids in batch])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=list(stop_ids), pad_token_id=pad, repetition_penalty=1.0,
+                             temperature=None, top_p=None, top_k=None, **generate_kwargs)
+    seconds = time.perf_counter() - start
+    stop = set(stop_ids)
+    rows = out[:, width:].tolist()
+    return CallResult([row[:next((i + 1 for i, t in enumerate(row) if t in stop), len(row))] for row in rows], seconds)
+
+
+class InProcess:
+    """specserve and transformers systems on one loaded pair (`specserve.loading.LoadedPair`)."""
+
+    def __init__(self, pair, decoder, stop_ids: list[int], max_tokens: int):
+        self.pair, self.decoder, self.stop_ids, self.max_tokens = pair, decoder, list(stop_ids), max_tokens
+
+    def cannot_run(self, system: System, batch: int) -> str | None:
+        if system.needs_draft and self.pair.draft is None:
+            return "needs a draft model (--draft)"
+        if system.needs_heads and self.pair.heads is None:
+            return "needs Medusa heads for the target (`make heads`, or --heads DIR)"
+        if system.engine == "specserve":
+            from specserve.protocol import LEGACY_METHODS, PROPOSERS
+
+            known = set(LEGACY_METHODS) | set(PROPOSERS)
+            if system.method not in known:
+                return f"method {system.method!r} is not in this specserve (known: {', '.join(sorted(known))})"
+        elif system.method != "none" and batch > 1:
+            return "transformers runs assisted generation and prompt lookup at batch 1 only"
+        return None
+
+    def generator(self, system: System):
+        """A function (batch of prompt ids, max tokens) -> CallResult for this system."""
+        if system.engine == "specserve":
+            return lambda batch, tokens: specserve_call(self.decoder, system, batch, tokens)
         kwargs = dict(system.options)
         if kwargs.get("assistant_model") == "draft":
-            kwargs["assistant_model"] = pair.draft.model
-        model, eos = pair.target.model, pair.eos_token_ids
+            kwargs["assistant_model"] = self.pair.draft.model
+        model = self.pair.target.model
+        return lambda batch, tokens: hf_call(model, batch, tokens, self.stop_ids, **kwargs)
 
-        def generate(ids, tokens):
-            result = run_hf(system.name, model, [ids], tokens, eos, **kwargs)
-            return result.outputs[0], result
+    def run_pass(self, system: System, cells: list[Cell], runs: list[LibraryRun], repeat: int, bar) -> None:
+        generate = self.generator(system)
+        warmed: dict[int, str | None] = {}
+        for cell, run in zip(cells, runs):
+            if repeat == 0 and run.status == OK:  # the first pass warms up, and learns what cannot run
+                if cell.batch not in warmed:
+                    warmed[cell.batch] = self.cannot_run(system, cell.batch) or self._warm_up(generate, cells, cell.batch)
+                if warmed[cell.batch]:
+                    run.status, run.reason = CANNOT_RUN, warmed[cell.batch]
+            if run.status != OK:
+                bar.update(len(cell.calls))
+                continue
+            for i, (names, batch) in enumerate(cell.calls):
+                try:
+                    result = generate(batch, self.max_tokens)
+                except Exception as exc:
+                    run.status, run.reason = FAILED, f"{', '.join(names)}: {_error(exc)}"
+                    bar.update(len(cell.calls) - i)
+                    break
+                _record(run, names, result, repeat)
+                bar.update(1)
 
-    first = encoded[0][1][0]
-    try:  # warm-up, and the place where a method the engine refuses says why
-        generate(first[:16], 4)
-    except Exception as exc:
-        bar.update(n_prompts)
-        return _not_run(system, encoded, CANNOT_RUN, _error(exc))
-    runs = []
-    for workload, prompt_ids in encoded:
-        run = LibraryRun(system.name, system.engine, system.method, workload.name)
-        runs.append(run)
-        for prompt, ids in zip(workload.prompts, prompt_ids):
-            try:
-                start = time.perf_counter()
-                token_ids, result = generate(ids, max_tokens)
-                seconds = time.perf_counter() - start
-            except Exception as exc:
-                run.status, run.reason = FAILED, f"{prompt.id}: {_error(exc)}"
-                bar.update(len(prompt_ids) - len(run.prompts))
-                break
-            run.prompts.append(PromptRun(prompt.id, result.seconds or seconds, list(token_ids)))
-            run.target_steps += result.target_steps
-            run.num_draft_tokens += result.draft_tokens
-            run.num_accepted_tokens += result.accepted_tokens
-            bar.update(1)
-    return runs
+    @staticmethod
+    def _warm_up(generate, cells: list[Cell], batch: int) -> str | None:
+        """First calls of a shape pay for allocation and kernel selection; a method the engine
+        refuses says why here. Returns that reason, or None."""
+        first = cells[0].calls[0][1][0]
+        try:
+            generate([first[:16]] * batch, WARM_UP_TOKENS)
+        except Exception as exc:
+            return _error(exc)
+        return None
 
 
 # --------------------------------------------------------------------------- vLLM
@@ -152,60 +268,145 @@ def _preload(python: str) -> str:
     return ":".join(libs)
 
 
-def run_vllm(systems: list[System], encoded: Encoded, *, target_dir: str | None, draft_dir: str | None,
-             dtype: str, max_tokens: int, stop_token_ids: list[int], python: str | None, fast_start: bool,
-             log_path: Path, bar, timeout_s: float = 3600) -> list[LibraryRun]:
-    """vLLM configurations in subprocesses of the vLLM environment: one fresh process each, as vLLM
-    runs by default; or with ``fast_start`` (--quick) all in one process, eager, engine in process."""
-    results: dict[str, LibraryRun | list[LibraryRun]] = {}
-    n_prompts = sum(len(ids) for _, ids in encoded)
-    configs = []
-    for system in systems:
-        reason = None
-        if python is None:
-            reason = "no vLLM environment (run `make vllm-env`, or pass --vllm-python)"
-        elif target_dir is None or not os.path.isdir(target_dir):
-            reason = "vLLM needs the target as a local model directory"
-        elif system.needs_draft and (draft_dir is None or not os.path.isdir(draft_dir)):
-            reason = "needs a draft model as a local directory (--draft)"
+class Vllm:
+    """vLLM systems, a fresh runner process per pass (one engine alive at a time, beside the
+    in-process models). ``settings``: the engine settings to try (names in vllm_runner.SETTINGS);
+    with more than one, the first pass runs each, and the fastest at each batch size runs the rest."""
+
+    def __init__(self, *, python: str | None, target_dir: str | None, draft_dir: str | None, dtype: str,
+                 max_tokens: int, stop_ids: list[int], max_model_len: int, settings: list[str], log_path: Path,
+                 timeout_s: float = 3600):
+        unknown = [s for s in settings if s not in vllm_runner.SETTINGS]
+        if unknown or not settings:
+            raise ValueError(f"unknown vLLM settings {unknown}; choose from {', '.join(vllm_runner.SETTINGS)}")
+        self.python, self.target_dir, self.draft_dir = python, target_dir, draft_dir
+        self.request = {"model": target_dir, "dtype": dtype, "max_tokens": max_tokens,
+                        "stop_token_ids": list(stop_ids), "max_model_len": max_model_len}
+        self.settings, self.log_path, self.timeout_s = list(settings), log_path, timeout_s
+        self.winner: dict[tuple[str, int], str] = {}  # (system, batch) -> settings
+        self.trials: list[dict] = []  # every (system, settings, batch) of the first pass, for the report
+
+    def cannot_run(self, system: System) -> str | None:
+        if self.python is None:
+            return "no vLLM environment (run `make vllm-env`, or pass --vllm-python)"
+        if self.target_dir is None or not os.path.isdir(self.target_dir):
+            return "vLLM needs the target as a local model directory"
+        if system.needs_draft and (self.draft_dir is None or not os.path.isdir(self.draft_dir)):
+            return "needs a draft model as a local directory (--draft)"
+        return None
+
+    def speculative_config(self, system: System) -> dict | None:
+        """The system's options are vLLM's `speculative_config` ("draft": the draft's directory)."""
+        if system.method == "none":
+            return None
+        return {key: (self.draft_dir if value == "draft" else value) for key, value in system.options.items()}
+
+    def run_pass(self, system: System, cells: list[Cell], runs: list[LibraryRun], repeat: int, bar) -> None:
+        reason = self.cannot_run(system)
         if reason:
-            bar.update(n_prompts)
-            results[system.name] = _not_run(system, encoded, CANNOT_RUN, reason)
-            continue
-        spec = None
-        if system.method != "none":
-            spec = {key: (draft_dir if value == "draft" else value) for key, value in system.options.items()}
-        configs.append((system, {"name": system.name, "speculative_config": spec}))
-    longest = max(len(ids) for _, prompt_ids in encoded for ids in prompt_ids)
-    request = {"model": target_dir, "dtype": dtype, "max_tokens": max_tokens, "stop_token_ids": stop_token_ids,
-               "max_model_len": max(512, longest + max_tokens + 64), "enforce_eager": fast_start,
-               "in_process_engine": fast_start, "prompts": {w.name: ids for w, ids in encoded}}
-    for group in ([configs] if fast_start else [[c] for c in configs]) if configs else []:
-        bar.set_description(" + ".join(system.name for system, _ in group))
-        answer = _vllm_subprocess({**request, "configs": [c for _, c in group]}, python, log_path, bar,
-                                  n_prompts * len(group), timeout_s)
-        for system, _ in group:
-            results[system.name] = _vllm_runs(system, encoded, answer, fast_start)
-    return [run for system in systems for run in results[system.name]]
+            _skip(runs, cells, CANNOT_RUN, reason, bar)
+        elif repeat == 0:
+            self._first_pass(system, cells, runs, bar)
+        else:
+            self._later_pass(system, cells, runs, repeat, bar)
+
+    def _first_pass(self, system: System, cells: list[Cell], runs: list[LibraryRun], bar) -> None:
+        answers = {name: self._subprocess(system, name, cells, bar) for name in self.settings}
+        for batch in sorted({c.batch for c in cells}):
+            tried = {name: self._speed(answer, batch) for name, answer in answers.items()}
+            for name, (speed, error) in tried.items():
+                self.trials.append({"system": system.name, "batch": batch, "settings": _settings(answers[name], name),
+                                    "tokens_per_second": speed, "startup_s": answers[name].get("load_s"),
+                                    "status": OK if error is None else FAILED, "reason": error or ""})
+            ok = {name: speed for name, (speed, error) in tried.items() if error is None}
+            picked = [(c, r) for c, r in zip(cells, runs) if c.batch == batch]
+            if not ok:
+                why = "; ".join(f"{name}: {error}" for name, (_, error) in tried.items())
+                for _, run in picked:
+                    run.status, run.reason = CANNOT_RUN, f"vLLM failed ({why})"[:600]
+                continue
+            best = max(ok, key=lambda name: (ok[name], name == self.settings[0]))  # a tie keeps the first
+            self.winner[system.name, batch] = best
+            note = "fastest of " + ", ".join(f"{name} {speed:.2f} tok/s" if error is None else f"{name} failed"
+                                             for name, (speed, error) in tried.items()) if len(tried) > 1 else ""
+            for cell, run in picked:
+                self._fill(run, cell, answers[best], 0, best)
+                run.note = note
+
+    def _later_pass(self, system: System, cells: list[Cell], runs: list[LibraryRun], repeat: int, bar) -> None:
+        by_settings: dict[str, list[tuple[Cell, LibraryRun]]] = {}
+        for cell, run in zip(cells, runs):
+            if run.status != OK:
+                bar.update(len(cell.calls))
+                continue
+            by_settings.setdefault(self.winner[system.name, cell.batch], []).append((cell, run))
+        for name, pairs in by_settings.items():
+            answer = self._subprocess(system, name, [c for c, _ in pairs], bar)
+            for cell, run in pairs:
+                if answer["status"] != "ok":
+                    run.status, run.reason = FAILED, f"vLLM failed in pass {repeat + 1}: {_first_line(answer)}"
+                else:
+                    self._fill(run, cell, answer, repeat, name)
+
+    @staticmethod
+    def _speed(answer: dict, batch: int) -> tuple[float, str | None]:
+        if answer["status"] != "ok":
+            return 0.0, _first_line(answer)
+        cells = [c for c in answer["cells"] if c["batch"] == batch]
+        tokens = sum(len(ids) for c in cells for call in c["calls"] for ids in call["token_ids"])
+        seconds = sum(call["seconds"] for c in cells for call in c["calls"])
+        return (tokens / seconds if seconds else 0.0), None
+
+    @staticmethod
+    def _fill(run: LibraryRun, cell: Cell, answer: dict, repeat: int, settings: str) -> None:
+        result = next(c for c in answer["cells"] if c["workload"] == cell.workload and c["batch"] == cell.batch)
+        for (names, _), call in zip(cell.calls, result["calls"]):
+            run.calls.append(Call(list(names), call["seconds"], call["token_ids"], repeat))
+        counters = result.get("spec_decode", {})
+        run.num_drafts += counters.get("num_drafts", 0)
+        run.num_draft_tokens += counters.get("num_draft_tokens", 0)
+        run.num_accepted_tokens += counters.get("num_accepted_tokens", 0)
+        run.settings = _settings(answer, settings)
+        if run.startup_s is None:
+            run.startup_s = answer.get("load_s")
+
+    def _subprocess(self, system: System, settings: str, cells: list[Cell], bar) -> dict:
+        calls = sum(len(c.calls) for c in cells)
+        bar.set_description(f"{system.name} ({settings})")
+        request = {**self.request, "settings": settings, "speculative_config": self.speculative_config(system),
+                   "cells": [{"workload": c.workload, "batch": c.batch, "calls": [ids for _, ids in c.calls]}
+                             for c in cells]}
+        return run_vllm_subprocess(request, self.python, self.log_path, bar, calls, self.timeout_s,
+                                   title=f"{system.name} [{settings}]")
 
 
-def _vllm_subprocess(request: dict, python: str, log_path: Path, bar, n_prompts: int, timeout_s: float) -> dict:
+def _settings(answer: dict, name: str) -> dict:
+    return answer.get("settings") or vllm_runner.describe(name)
+
+
+def _first_line(answer: dict) -> str:
+    return (answer.get("error") or "no result").splitlines()[0][:300]
+
+
+def run_vllm_subprocess(request: dict, python: str, log_path: Path, bar, calls: int, timeout_s: float,
+                        title: str) -> dict:
+    """The runner in the vLLM environment; its stderr goes to the log, a progress tick per call."""
     with tempfile.TemporaryDirectory(prefix="specserve-vllm-") as tmp:
         request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request_path.write_text(json.dumps(request))
         with open(log_path, "a") as log:
-            log.write(f"\n===== {', '.join(c['name'] for c in request['configs'])} =====\n")
+            log.write(f"\n===== {title} =====\n")
             log.flush()
             proc = subprocess.Popen([python, "-P", str(RUNNER), str(request_path), str(result_path)],
                                     stdout=log, stderr=subprocess.PIPE, text=True, env=_vllm_env(python),
                                     start_new_session=True)
             done, timed_out = 0, False
 
-            def pump() -> None:  # the runner's stderr: vLLM's log, and a line per finished prompt
+            def pump() -> None:  # the runner's stderr: vLLM's log, and a line per finished call
                 nonlocal done
                 for line in proc.stderr:
                     log.write(line)
-                    if line.startswith("vllm_runner: prompt done"):
+                    if line.startswith("vllm_runner: call done"):
                         done += 1
                         bar.update(1)
 
@@ -220,30 +421,9 @@ def _vllm_subprocess(request: dict, python: str, log_path: Path, bar, n_prompts:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)  # vLLM's engine processes, if any outlived the runner
             reader.join(timeout=30)
-        bar.update(n_prompts - done)
+        bar.update(max(0, calls - done))
         try:
             return json.loads(result_path.read_text())
         except (OSError, ValueError):
             why = f"timed out after {timeout_s:.0f} s" if timed_out else f"exited with code {proc.returncode}"
             return {"status": "failed", "error": f"the vLLM runner {why} and left no result (log: {log_path})"}
-
-
-def _vllm_runs(system: System, encoded: Encoded, answer: dict, fast_start: bool) -> list[LibraryRun]:
-    result = answer["configs"].get(system.name) if answer["status"] == "ok" else answer
-    if result is None or result["status"] != "ok":
-        error = (result or {}).get("error", "no result")
-        return _not_run(system, encoded, CANNOT_RUN, f"vLLM failed: {error.splitlines()[0][:300]}")
-    runs = []
-    for workload, _ in encoded:
-        run = LibraryRun(system.name, system.engine, system.method, workload.name)
-        run.prompts = [PromptRun(p.id, r["seconds"], r["token_ids"])
-                       for p, r in zip(workload.prompts, result["runs"][workload.name])]
-        counters = result.get("spec_decode", {}).get(workload.name, {})
-        run.num_drafts = counters.get("num_drafts", 0)
-        run.num_draft_tokens = counters.get("num_draft_tokens", 0)
-        run.num_accepted_tokens = counters.get("num_accepted_tokens", 0)
-        run.startup_s = result.get("load_s")
-        if fast_start:
-            run.note = "vLLM fast start (--quick): eager (no torch.compile), engine in process"
-        runs.append(run)
-    return runs

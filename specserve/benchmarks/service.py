@@ -14,7 +14,7 @@ import asyncio
 from pathlib import Path
 
 from specserve.benchmarks.http import run_level, start_server, stop_server, wait_healthy
-from specserve.benchmarks.systems import CANNOT_RUN, FAILED, K, ServiceRun, System
+from specserve.benchmarks.systems import CANNOT_RUN, FAILED, K, SERVED, ServiceRun, System
 from specserve.benchmarks.workloads import Workload
 
 Encoded = list[tuple[Workload, list[list[int]]]]
@@ -57,15 +57,16 @@ def _log_tail(path: Path, lines: int = 5) -> str:
     return " | ".join(tail)[-400:]
 
 
-def run_service(systems: list[System], encoded: Encoded, *, manifest: str, url: str, max_tokens: int,
+def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None, url: str, max_tokens: int,
                 requests: int, concurrency: list[int], log_path: Path, bar,
                 startup_timeout_s: float = 900) -> list[ServiceRun]:
-    """At concurrency c each workload sends its first max(requests, c) prompts over c streams."""
+    """At concurrency c each workload sends its first max(requests, c) prompts over c streams.
+    Starts `serve run MANIFEST` for the sweep; with no manifest, measures the server at ``url``."""
     import httpx
 
     cells = [(c, w, ids, s) for c in concurrency for w, ids in encoded for s in systems]
-    bar.set_description("serve run (starting)")
-    server = start_server(manifest, str(log_path))
+    bar.set_description("serve run (starting)" if manifest else f"server at {url}")
+    server = start_server(manifest, str(log_path)) if manifest else None
     try:
         try:
             wait_healthy(url, startup_timeout_s, server)
@@ -96,13 +97,17 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str, url: 
             bar.update(1)
         return runs
     finally:
-        bar.set_description("serve run (stopping)")
-        stop_server(server)
+        if server is not None:
+            bar.set_description("serve run (stopping)")
+            stop_server(server)
 
 
-def speculation(system: System) -> dict:
+def speculation(system: System) -> dict | None:
+    """The request's ``speculation`` override; none for `served` (the deployment's own settings)."""
     from specserve.protocol import LEGACY_METHODS
 
+    if system.method == SERVED:
+        return None
     return {"method" if system.method in LEGACY_METHODS else "proposer": system.method, **system.options}
 
 
@@ -114,6 +119,8 @@ def measure(run: ServiceRun, url: str, model: str, prompt_ids: list[list[int]], 
     for r in results:
         run.tokens += r.tokens
         run.target_steps += r.speculation.get("target_steps", 0)
+        run.overhead_s += r.speculation.get("round_trip_overhead_ms_per_round", 0.0) \
+            * r.speculation.get("target_steps", 0) / 1000
         run.ttft_s.append(r.ttft_s)
         run.itl_s += [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])]
         run.texts.append(r.text)

@@ -1,4 +1,5 @@
-"""What `specserve bench` measures: the systems, and the result of one system on one workload.
+"""What `specserve bench` measures: the systems, and the result of one system on one workload at
+one batch size.
 
 Adding a specserve method variant is one line in SPECSERVE_VARIANTS: (method, options), where
 method is an older method name (none, draft, tree) or a proposer (medusa). In library mode the
@@ -24,6 +25,7 @@ SPECSERVE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("medusa", {"shape": "tree"}),  # heads from `make heads`, co-located; a dynamic tree as deep as the heads
 ]
 HEAD_METHODS = ("medusa",)  # need heads on the target (--heads)
+SERVED = "served"  # service mode only: no per-request override, the deployment's own speculation
 
 OK, CANNOT_RUN, FAILED = "ok", "cannot run", "failed"
 
@@ -51,10 +53,14 @@ def variant_name(method: str, options: dict[str, Any]) -> str:
     return " ".join(part for part in (f"specserve {method}", suffix, nested) if part)
 
 
-def specserve_systems() -> list[System]:
-    return [System(variant_name(method, options), "specserve", method, dict(options),
-                   needs_draft=method not in ("none", "ngram", "medusa", "hydra", "redrafter"))
-            for method, options in SPECSERVE_VARIANTS]
+def specserve_system(method: str, options: dict[str, Any], name: str | None = None) -> System:
+    return System(name or variant_name(method, options), "specserve", method, dict(options),
+                  needs_draft=method not in ("none", "ngram", "medusa", "hydra", "redrafter", SERVED))
+
+
+def specserve_systems(variants: list[tuple[str, dict[str, Any]]] | None = None) -> list[System]:
+    """One system per variant (default SPECSERVE_VARIANTS; a preset may bring its own)."""
+    return [specserve_system(method, options) for method, options in (variants or SPECSERVE_VARIANTS)]
 
 
 def transformers_systems() -> list[System]:
@@ -76,59 +82,94 @@ def vllm_systems() -> list[System]:
     ]
 
 
-def all_systems() -> list[System]:
-    return specserve_systems() + transformers_systems() + vllm_systems()
+def all_systems(variants: list[tuple[str, dict[str, Any]]] | None = None) -> list[System]:
+    return specserve_systems(variants) + transformers_systems() + vllm_systems()
 
 
 # --------------------------------------------------------------------------- results
 
 
 @dataclass
-class PromptRun:
-    id: str
+class Call:
+    """One generate() call: ``len(prompts)`` prompts decoded together (the batch)."""
+
+    prompts: list[str]  # prompt ids
     seconds: float
-    token_ids: list[int]
+    token_ids: list[list[int]]  # per prompt
+    repeat: int = 0  # which pass over the systems (A B .. B A)
 
 
 @dataclass
 class LibraryRun:
-    """One system on one workload, batch 1, each prompt in turn."""
+    """One system on one workload at one batch size, over every repeat."""
 
     system: str
     engine: str
     method: str
     workload: str
+    batch: int = 1
+    phase: int = 0  # 1: systems derived from phase 0's measurements, run after it with their own baseline
     status: str = OK
     reason: str = ""  # why it cannot run, or why it failed
     note: str = ""  # how it ran, when that differs from the defaults
+    settings: dict[str, Any] | None = None  # vLLM: the engine settings that ran (the fastest tried)
     startup_s: float | None = None  # vLLM: building the engine (load, compile, warm-up), not counted in tok/s
-    prompts: list[PromptRun] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
     target_steps: int = 0  # target forward passes (specserve only)
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    # filled in by compare(): the same engine's target-only run, and specserve none
+    num_accepted_tokens_per_rank: list[int] = field(default_factory=list)  # specserve trees
+    num_reached_tokens_per_rank: list[int] = field(default_factory=list)
+    # filled in by compare(): the same engine's target-only run, specserve none, vLLM's counterpart
     reference: str = ""
     same_as_reference: int | None = None
     first_difference: list[int | None] = field(default_factory=list)  # per prompt; None = identical
     same_as_specserve_none: int | None = None
     speedup: float | None = None
+    vs_vllm: float | None = None  # specserve only: tok/s over vLLM's counterpart (none, or its best speculative)
+    vs_vllm_system: str = ""
 
     @property
     def tokens(self) -> int:
-        return sum(len(p.token_ids) for p in self.prompts)
+        return sum(len(ids) for call in self.calls for ids in call.token_ids)
 
     @property
     def seconds(self) -> float:
-        return sum(p.seconds for p in self.prompts)
+        return sum(call.seconds for call in self.calls)
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     @property
+    def tokens_per_second_by_repeat(self) -> list[float]:
+        """One figure per pass: their spread shows how much the machine drifted."""
+        out = []
+        for repeat in sorted({c.repeat for c in self.calls}):
+            calls = [c for c in self.calls if c.repeat == repeat]
+            seconds = sum(c.seconds for c in calls)
+            out.append(sum(len(ids) for c in calls for ids in c.token_ids) / seconds if seconds else 0.0)
+        return out
+
+    @property
+    def prompts(self) -> list[str]:
+        """The prompt ids, in order (the first pass's)."""
+        return [p for c in self.calls if c.repeat == self._first_repeat for p in c.prompts]
+
+    @property
+    def outputs(self) -> list[list[int]]:
+        """The first pass's outputs, per prompt, in prompt order: what comparisons look at."""
+        return [ids for c in self.calls if c.repeat == self._first_repeat for ids in c.token_ids]
+
+    @property
+    def _first_repeat(self) -> int:
+        return min((c.repeat for c in self.calls), default=0)
+
+    @property
     def latency_p50_s(self) -> float | None:
-        return statistics.median(p.seconds for p in self.prompts) if self.prompts else None
+        """Median wall time of one call (a batch of ``batch`` requests, all their tokens)."""
+        return statistics.median(c.seconds for c in self.calls) if self.calls else None
 
     @property
     def mean_accepted_length(self) -> float | None:
@@ -145,12 +186,18 @@ class LibraryRun:
 
     @property
     def mismatch(self) -> bool:
-        return self.same_as_reference is not None and self.same_as_reference < len(self.prompts)
+        return self.same_as_reference is not None and self.same_as_reference < len(self.outputs)
+
+    def add_counts(self, accepted_per_rank: list[int], reached_per_rank: list[int]) -> None:
+        from specserve.trees import add_counts
+
+        add_counts(self.num_accepted_tokens_per_rank, accepted_per_rank)
+        add_counts(self.num_reached_tokens_per_rank, reached_per_rank)
 
     def as_dict(self) -> dict:
         data = asdict(self)
-        for name in ("tokens", "seconds", "tokens_per_second", "latency_p50_s", "mean_accepted_length",
-                     "acceptance_rate", "mismatch"):
+        for name in ("tokens", "seconds", "tokens_per_second", "tokens_per_second_by_repeat", "prompts",
+                     "latency_p50_s", "mean_accepted_length", "acceptance_rate", "mismatch"):
             data[name] = getattr(self, name)
         return data
 
@@ -164,21 +211,38 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def compare(runs: list[LibraryRun]) -> None:
-    """Fill in speedups against specserve none and output checks against each engine's target only."""
-    done = [r for r in runs if r.status == OK]
+    """Fill in, per workload, batch size and phase: speedups against specserve none, output checks
+    against each engine's target only, and specserve's ratio to vLLM's counterpart (vLLM none for
+    target-only, vLLM's fastest speculative configuration for a speculative method)."""
+    groups: dict[tuple, list[LibraryRun]] = {}
+    for run in runs:
+        if run.status == OK:
+            groups.setdefault((run.workload, run.batch, run.phase), []).append(run)
+    for group in groups.values():
+        _compare_group(group)
+
+
+def _compare_group(done: list[LibraryRun]) -> None:
+    def target_only(engine: str) -> LibraryRun | None:
+        return next((r for r in done if r.engine == engine and r.method == "none"), None)
+
+    baseline = target_only("specserve")
+    vllm_speculative = [r for r in done if r.engine == "vllm" and r.method != "none" and r.tokens_per_second]
+    vllm_best = max(vllm_speculative, key=lambda r: r.tokens_per_second, default=None)
     for run in done:
-        baseline = next((r for r in done if r.workload == run.workload and r.engine == "specserve"
-                         and r.method == "none"), None)
-        reference = next((r for r in done if r.workload == run.workload and r.engine == run.engine
-                          and r.method == "none"), None)
         if baseline is not None and baseline.tokens_per_second:
             run.speedup = run.tokens_per_second / baseline.tokens_per_second
-            run.same_as_specserve_none = sum(a.token_ids == b.token_ids for a, b in zip(run.prompts, baseline.prompts))
+            run.same_as_specserve_none = sum(a == b for a, b in zip(run.outputs, baseline.outputs))
+        reference = target_only(run.engine)
         if reference is not None and reference is not run:
             run.reference = reference.system
-            run.first_difference = [first_difference(a.token_ids, b.token_ids)
-                                    for a, b in zip(run.prompts, reference.prompts)]
+            run.first_difference = [first_difference(a, b) for a, b in zip(run.outputs, reference.outputs)]
             run.same_as_reference = sum(d is None for d in run.first_difference)
+        if run.engine == "specserve":
+            peer = target_only("vllm") if run.method == "none" else vllm_best
+            if peer is not None and peer.tokens_per_second:
+                run.vs_vllm = run.tokens_per_second / peer.tokens_per_second
+                run.vs_vllm_system = peer.system
 
 
 @dataclass
@@ -195,6 +259,7 @@ class ServiceRun:
     requests: int = 0
     tokens: int = 0
     target_steps: int = 0
+    overhead_s: float = 0.0  # router <-> pool round trips beyond the pools' compute, all requests
     ttft_s: list[float] = field(default_factory=list)  # per request
     itl_s: list[float] = field(default_factory=list)  # gaps between text chunks, all requests
     texts: list[str] = field(default_factory=list)
@@ -208,6 +273,10 @@ class ServiceRun:
     @property
     def mean_accepted_length(self) -> float | None:
         return self.tokens / self.target_steps if self.target_steps else None
+
+    @property
+    def overhead_ms_per_round(self) -> float | None:
+        return 1000 * self.overhead_s / self.target_steps if self.target_steps else None
 
     @property
     def mismatch(self) -> bool:
@@ -225,7 +294,7 @@ class ServiceRun:
     def as_dict(self) -> dict:
         data = asdict(self)
         data.update(throughput_tok_s=self.throughput, mean_accepted_length=self.mean_accepted_length,
-                    mismatch=self.mismatch)
+                    overhead_ms_per_round=self.overhead_ms_per_round, mismatch=self.mismatch)
         for name in ("ttft_s", "itl_s"):
             for q in (50, 99):
                 data[f"{name[:-2]}_p{q}_s"] = self.percentile(name, q)

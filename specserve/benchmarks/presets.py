@@ -1,0 +1,70 @@
+"""Presets of `specserve bench`: named sets of defaults (systems, modes, sizes).
+
+    specserve bench --preset vllm       # batch 1: specserve none / draft k=4 against vLLM's best
+    specserve bench --preset batch      # library throughput at batch 1, 4, 8 and 16
+
+A flag given on the command line wins over the preset, and --quick's sizes win over the
+preset's, so ``--preset batch --quick`` is a smoke run of the batch sweep. ``variants`` replaces
+systems.SPECSERVE_VARIANTS; ``derive`` runs static trees derived from a measured tree's per-rank
+acceptance after the main passes, with a baseline of their own (``suite._derived_phase``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specserve.benchmarks.systems import K, SERVED
+
+VS_VLLM = ["specserve none", f"specserve draft k={K}", "vllm none", f"vllm draft_model k={K}"]
+
+MEDUSA_TREE = {"budget": 16, "depth": 4, "width": 4, "min_score": 0.05}  # as deep as `make heads`' 4 heads
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "engine": {
+        "help": "make bench: batch 1, HumanEval; specserve none / draft k=4 against transformers and vLLM",
+        "modes": ["library"], "workloads": ["code"], "prompts": 8, "max_tokens": 128, "batch_sizes": [1],
+        "repeats": 2, "systems": [*VS_VLLM, "transformers *"],
+    },
+    "vllm": {
+        "help": "batch 1, HumanEval: specserve none and draft k=4 against vLLM none and draft_model k=4 (its best "
+                "engine settings)",
+        "modes": ["library"], "workloads": ["code"], "prompts": 8, "max_tokens": 128, "batch_sizes": [1],
+        "repeats": 2, "systems": VS_VLLM,
+    },
+    "batch": {
+        "help": "library throughput at batch 1, 4, 8 and 16, HumanEval: specserve against vLLM",
+        "modes": ["library"], "workloads": ["code"], "prompts": 8, "max_tokens": 128, "batch_sizes": [1, 4, 8, 16],
+        "repeats": 2, "systems": VS_VLLM,
+    },
+    "trees": {
+        "help": "draft chains against dynamic draft trees of 8, 16 and 32 nodes, and a static tree derived from "
+                "the 32-node tree's per-rank acceptance",
+        "modes": ["library"], "workloads": ["code"], "prompts": 8, "max_tokens": 128, "batch_sizes": [1],
+        "repeats": 2, "systems": ["specserve *"],
+        "variants": [("none", {}), ("draft", {"k": K}),
+                     *[("tree", {"tree": {"budget": budget}}) for budget in (8, 16, 32)]],
+        "derive": {"from": "specserve tree budget=32", "budgets": [16]},
+    },
+    "medusa": {
+        "help": "make bench-medusa: Medusa heads (make heads) as a chain, dynamic trees and static trees derived "
+                "from their acceptance, against target-only and the draft model",
+        "modes": ["library"], "workloads": ["code"], "prompts": 8, "max_tokens": 128, "batch_sizes": [1],
+        "repeats": 2, "systems": ["specserve *"],
+        "variants": [("none", {}), ("draft", {"k": K}), ("tree", {}), ("medusa", {"k": 4}),
+                     ("medusa", {"shape": "tree", "tree": {**MEDUSA_TREE, "budget": 8}}),
+                     ("medusa", {"shape": "tree", "tree": MEDUSA_TREE})],
+        "derive": {"from": "specserve medusa shape=tree budget=16 depth=4 width=4 min_score=0.05",
+                   "budgets": [8, 16]},
+    },
+    "http": {
+        "help": "make bench-http: service mode through `serve run manifests/local.yaml` (or --manifest, --url) and "
+                "HTTP at 1 and 4 streams, speculation off and the deployment's own",
+        "modes": ["service"], "workloads": ["code"], "prompts": 4, "max_tokens": 128, "service_requests": 4,
+        "service_max_tokens": 128, "concurrency": [1, 4], "manifest": "manifests/local.yaml",
+        "variants": [("none", {}), (SERVED, {})],  # served: no override, what the manifest configures
+    },
+}
+
+
+def describe() -> str:
+    return "; ".join(f"{name}: {preset['help']}" for name, preset in PRESETS.items())
