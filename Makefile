@@ -8,7 +8,7 @@ DEFAULT_MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # Ray 2.60 turns token auth on by default; a local single-user cluster does not need it.
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup models heads serve generate test test-fast bench bench-medusa bench-http bench-quick bench-full vllm-env clean
+.PHONY: setup models heads serve generate test test-fast bench bench-vllm bench-batch bench-medusa bench-http bench-quick bench-full vllm-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,21 +54,34 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
+# Every benchmark is `specserve bench`: a preset picks systems, modes and sizes; the systems take
+# turns in passes (A B .. B A) and compare as ratios in one run. vLLM runs in the fastest engine
+# settings it tries (make vllm-env first, or its rows say why they cannot run).
+# Batch 1, HumanEval: specserve none / draft k=4 against transformers and vLLM (~50 min on 2 cores).
 bench: models
-	$(PY) -m specserve.benchmarks.engine --prompts 8 --max-tokens 128 -k 4 --confidence 0 0.5
+	$(VENV)/bin/specserve bench --preset engine
 
-# Medusa heads (make heads first) against target-only and the draft model, library mode, A B .. B A.
+# Batch 1: specserve none / draft k=4 against vLLM none / draft_model k=4 at its best (~35 min).
+bench-vllm: models
+	$(VENV)/bin/specserve bench --preset vllm
+
+# Library throughput at batch 1, 4, 8 and 16, specserve against vLLM, same prompts (~80 min).
+bench-batch: models
+	$(VENV)/bin/specserve bench --preset batch
+
+# Medusa heads (make heads first) against target-only and the draft model, library mode.
 bench-medusa: models
-	$(PY) -m specserve.benchmarks.medusa --prompts 8 --max-tokens 128 --repeats 2
+	$(VENV)/bin/specserve bench --preset medusa
 
+# Service mode: `serve run manifests/local.yaml`, HTTP at 1 and 4 streams, speculation off and on.
 bench-http: models
-	$(PY) -m specserve.benchmarks.http --manifest manifests/local.yaml --prompts 4 --max-tokens 128 --concurrency 1 4
+	$(VENV)/bin/specserve bench --preset http
 
-# `specserve bench`: specserve against transformers and vLLM, library and service mode, table + plots.
+# Smoke run of everything: 1 prompt, 8 tokens, one pass, vLLM eager only (a few minutes).
 bench-quick: models
 	$(VENV)/bin/specserve bench --quick
 
-# The full run (about 100 minutes on 2 cores); writes docs/BENCHMARKS.md and docs/bench/*.png.
+# The full run; writes docs/BENCHMARKS.md and docs/bench/*.png.
 bench-full: models
 	$(MAKE) vllm-env || echo "vllm-env failed: the report will say why vLLM could not run"
 	$(VENV)/bin/specserve bench --out bench-results/full --docs docs
