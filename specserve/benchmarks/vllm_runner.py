@@ -17,8 +17,8 @@ RESULT:  {"status": "ok", "vllm": VERSION, "torch": VERSION, "settings": {...}, 
 
 One configuration and one engine per process: the settings decide how the engine starts (see
 SETTINGS), and environment variables set before vLLM is imported are part of them. Every batch
-size is warmed up once before anything is timed. vLLM's sampled speculative path was unreliable
-on this machine (see DESIGN.md): greedy only.
+size is warmed up once before anything is timed, and each cell starts with an empty prefix cache.
+vLLM's sampled speculative path was unreliable on this machine (see DESIGN.md): greedy only.
 """
 
 from __future__ import annotations
@@ -85,6 +85,9 @@ def run_config(request: dict, settings: dict) -> dict:
 
 
 def run_cell(llm, cell: dict, generate, max_tokens: int) -> dict:
+    # Cells run the same prompts at other batch sizes: start each with vLLM's prefix cache empty, as
+    # specserve starts each request (its worker keeps a request's cache until the request ends).
+    llm.reset_prefix_cache()
     before = spec_counters(llm)
     calls = []
     for batch in cell["calls"]:
