@@ -3,6 +3,7 @@ table rows, valid PNGs, unavailable systems reported with a reason, and a wrong 
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import json
 
@@ -357,3 +358,52 @@ def test_bench_service_mode_on_smollm2(tmp_path, monkeypatch):
     assert "## Service mode" in md and "| specserve draft k=4 | 2 |" in md
     for name in ("service_throughput.png", "service_latency.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_trees_preset_derives_static_trees_and_runs_them_with_their_own_baseline(tiny_pair, tmp_path, monkeypatch):
+    # the tiny random draft is never confident: grow its trees whatever their scores
+    trees = {**suite.presets.PRESETS["trees"],
+             "variants": [("none", {}), ("draft", {"k": 4}),
+                          *[("tree", {"tree": {"budget": b, "min_score": 0.0}}) for b in (8, 16, 32)]],
+             "derive": {"from": "specserve tree budget=32 min_score=0.0", "budgets": [4, 8]}}
+    monkeypatch.setitem(suite.presets.PRESETS, "trees", trees)
+    out = tmp_path / "out"
+    assert suite.main(["--preset", "trees", "--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["draft"]),
+                       "--dtype", "float32", "--prompts", "1", "--max-tokens", "6", "--repeats", "1",
+                       "--out", str(out), "--no-progress", "--threads", "1"]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["derived"]["from"] == "specserve tree budget=32 min_score=0.0" and doc["derived"]["rank_acceptance"]
+    later = {r["system"]: r for r in doc["library"] if r["phase"] == 1}
+    assert "specserve none (again)" in later and len(later) >= 2
+    for name, run in later.items():
+        assert run["status"] == "ok", run["reason"]
+        if name != "specserve none (again)":
+            assert name.startswith("specserve tree static from acceptance")
+            assert run["reference"] == "specserve none (again)" and run["same_as_reference"] == 1  # exact in float32
+    assert {r["system"] for r in doc["library"] if r["phase"] == 0} == {
+        "specserve none", "specserve draft k=4", *(f"specserve tree budget={b} min_score=0.0" for b in (8, 16, 32))}
+    assert "Static trees derived from **specserve tree budget=32 min_score=0.0**" in (out / "results.md").read_text()
+
+
+def test_service_mode_measures_a_running_server_with_url(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    seen = {}
+    monkeypatch.setattr(suite.service, "run_service", lambda systems_, encoded, **kw: seen.update(kw) or [])
+    args = suite.build_parser().parse_args(["--preset", "http", "--url", "http://127.0.0.1:9999/"])
+    suite.resolve_defaults(args)
+    suite._service_mode(args, [systems.specserve_system("none", {})], [], tmp_path, SimpleNamespace(), {})
+    assert seen["manifest"] is None and seen["url"] == "http://127.0.0.1:9999"  # no `serve run`
+    served = next(s for s in systems.specserve_systems(suite.presets.PRESETS["http"]["variants"])
+                  if s.method == systems.SERVED)
+    assert suite.service.speculation(served) is None  # the deployment's own speculation, no override
+    assert not served.needs_draft
+
+
+def test_presets_derive_from_a_system_they_run():
+    for name, preset in suite.presets.PRESETS.items():
+        names = {s.name for s in systems.all_systems(preset.get("variants"))}
+        if "derive" in preset:
+            assert preset["derive"]["from"] in names, name
+        for pattern in preset.get("systems") or []:
+            assert any(fnmatch.fnmatchcase(n, pattern) for n in names), (name, pattern)
