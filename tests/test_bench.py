@@ -173,7 +173,8 @@ def test_bench_interleaves_passes_and_keeps_vllms_fastest_settings(tiny_pair, tm
     out = tmp_path / "out"
     assert suite.main(["--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["draft"]), "--heads", "none",
                        "--dtype", "float32", "--workloads", "code", "--prompts", "2", "--max-tokens", "5",
-                       "--modes", "library", "--systems", "specserve none", "vllm*", "--batch-sizes", "1", "2",
+                       "--modes", "library", "--systems", "specserve none", "vllm*", "transformers*",
+                       "--batch-sizes", "1", "2",
                        "--repeats", "2", "--vllm-python", str(python), "--out", str(out), "--no-progress",
                        "--threads", "1"]) == 0
     doc = json.loads((out / "results.json").read_text())
@@ -181,6 +182,13 @@ def test_bench_interleaves_passes_and_keeps_vllms_fastest_settings(tiny_pair, tm
     assert all(r["stop_token_ids"] == [tokenizer_eos] for r in requests)  # vLLM stops on the same ids
 
     # A B C D, then D C B A; in the first pass every vLLM system under both settings, later only the winners
+    by = {(r["system"], r["batch"]): r for r in doc["library"]}
+    hf = by["transformers target only", 2]
+    assert hf["status"] == "ok" and len(hf["prompts"]) == 2
+    one = [ids for call in by["transformers target only", 1]["calls"] for ids in call["token_ids"]][:2]
+    assert hf["calls"][0]["token_ids"] == one  # left-padded batches decode as one at a time (float32)
+    assert by["transformers assisted", 2]["status"] == "cannot run" and "batch 1 only" in by["transformers assisted", 2]["reason"]
+    assert by["transformers assisted", 1]["status"] == "ok"
     turns = [name for name, _ in itertools.groupby(order)]  # a specserve pass makes several calls
     assert turns == ["specserve none",
                      "vllm none [eager]", "vllm none [compiled]", "vllm draft_model k=4 [eager]",
