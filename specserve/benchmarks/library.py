@@ -38,6 +38,10 @@ RUNNER = Path(__file__).with_name("vllm_runner.py")
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 WARM_UP_TOKENS = 4
+# vLLM's KV cache space: 1 GiB holds ~37k tokens of the 1.5B target in bf16, far more than a batch
+# of 16 needs, and leaves room for the in-process models that stay loaded beside it (with 2 GiB,
+# vLLM refused to start here when other work held memory).
+VLLM_KV_CACHE_GIB = 1
 
 
 @dataclass
@@ -281,7 +285,8 @@ class Vllm:
             raise ValueError(f"unknown vLLM settings {unknown}; choose from {', '.join(vllm_runner.SETTINGS)}")
         self.python, self.target_dir, self.draft_dir = python, target_dir, draft_dir
         self.request = {"model": target_dir, "dtype": dtype, "max_tokens": max_tokens,
-                        "stop_token_ids": list(stop_ids), "max_model_len": max_model_len}
+                        "stop_token_ids": list(stop_ids), "max_model_len": max_model_len,
+                        "kv_cache_gib": VLLM_KV_CACHE_GIB}
         self.settings, self.log_path, self.timeout_s = list(settings), log_path, timeout_s
         self.winner: dict[tuple[str, int], str] = {}  # (system, batch) -> settings
         self.trials: list[dict] = []  # every (system, settings, batch) of the first pass, for the report

@@ -318,7 +318,8 @@ def _setup(setup: dict) -> list[str]:
                    f"workload's first b x ceil({setup.get('prompts', '?')} / b) prompts, b per call; "
                    f"{setup.get('repeats', 1)} pass(es) in alternating order")
     if setup.get("vllm_settings_tried"):
-        out.append(f"- vLLM engine settings tried: {', '.join(setup['vllm_settings_tried'])}")
+        out.append(f"- vLLM engine settings tried: {', '.join(setup['vllm_settings_tried'])}"
+                   + (f"; KV cache space {setup['vllm_kv_cache_gib']} GiB" if setup.get("vllm_kv_cache_gib") else ""))
     for w in setup["workloads"]:
         count = f"{len(w['prompts'])} prompt{'s' if len(w['prompts']) != 1 else ''}"
         out.append(f"- workload `{w['name']}`: {w['source']}, {count} (seed {setup['seed']}): "

@@ -197,6 +197,7 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
             "modes": args.modes, "stop_token_ids": stop_ids,
             "batch_sizes": args.batch_sizes if lib_systems else [], "repeats": args.repeats,
             "prompts": args.prompts, "vllm_settings_tried": settings if n_vllm else [],
+            "vllm_kv_cache_gib": library.VLLM_KV_CACHE_GIB if n_vllm else None,
             "concurrency": args.concurrency if svc_systems else [],
             "service_requests": args.service_requests, "service_max_tokens": args.service_max_tokens,
             "manifest": args.url or args.manifest,
