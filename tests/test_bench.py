@@ -166,6 +166,11 @@ def test_bench_interleaves_passes_and_keeps_vllms_fastest_settings(tiny_pair, tm
         return real_call(decoder, system, batch, max_tokens)
 
     monkeypatch.setattr(library, "specserve_call", specserve_call)
+    import specserve.loading
+
+    loads = []
+    real_load = specserve.loading.load_pair
+    monkeypatch.setattr(specserve.loading, "load_pair", lambda *a, **kw: loads.append(1) or real_load(*a, **kw))
     tokenizer_eos = models.load_tokenizer(str(tiny_pair["target"])).eos_token_id
     python = tmp_path / "python"
     python.write_text("#!/bin/sh\necho 0.32.0\n")
@@ -189,6 +194,7 @@ def test_bench_interleaves_passes_and_keeps_vllms_fastest_settings(tiny_pair, tm
     assert hf["calls"][0]["token_ids"] == one  # left-padded batches decode as one at a time (float32)
     assert by["transformers assisted", 2]["status"] == "cannot run" and "batch 1 only" in by["transformers assisted", 2]["reason"]
     assert by["transformers assisted", 1]["status"] == "ok"
+    assert len(loads) == 2  # released while vLLM ran, loaded again for the second pass's in-process systems
     turns = [name for name, _ in itertools.groupby(order)]  # a specserve pass makes several calls
     assert turns == ["specserve none",
                      "vllm none [eager]", "vllm none [compiled]", "vllm draft_model k=4 [eager]",

@@ -16,6 +16,7 @@ At batch b a workload's first ``b * ceil(prompts / b)`` prompts go in calls of b
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -115,6 +116,8 @@ def run_library(systems: list[System], cells: list[Cell], *, repeats: int, in_pr
             mine = [runs[system.name, c.workload, c.batch] for c in cells]
             bar.set_description(f"{system.name} (pass {repeat + 1}/{repeats})")
             if system.engine == "vllm":
+                if isinstance(in_process, InProcess):
+                    in_process.release()  # one engine's weights in memory at a time
                 vllm.run_pass(system, cells, mine, repeat, bar)
             elif isinstance(in_process, str):
                 _skip(mine, cells, CANNOT_RUN, in_process, bar)
@@ -167,10 +170,26 @@ def hf_call(model, batch: list[list[int]], max_tokens: int, stop_ids: list[int],
 
 
 class InProcess:
-    """specserve and transformers systems on one loaded pair (`specserve.loading.LoadedPair`)."""
+    """specserve and transformers systems on one loaded pair (`specserve.loading.LoadedPair`).
 
-    def __init__(self, pair, decoder, stop_ids: list[int], max_tokens: int):
-        self.pair, self.decoder, self.stop_ids, self.max_tokens = pair, decoder, list(stop_ids), max_tokens
+    ``load()`` returns (pair, decoder). The models are released while vLLM runs (``release``), so
+    the two engines never hold their weights and caches at once on a small machine; a reload takes
+    seconds (the files are in the page cache) and is warmed up again before anything is timed."""
+
+    def __init__(self, load, stop_ids: list[int], max_tokens: int):
+        self._load, self.stop_ids, self.max_tokens = load, list(stop_ids), max_tokens
+        self.pair = self.decoder = None
+        self._warm: set[tuple[str, int]] = set()  # (system, batch) warmed up since the last load
+
+    def ensure_loaded(self) -> None:
+        if self.pair is None:
+            self.pair, self.decoder = self._load()
+            self._warm.clear()
+
+    def release(self) -> None:
+        if self.pair is not None:
+            self.pair = self.decoder = None
+            gc.collect()
 
     def cannot_run(self, system: System, batch: int) -> str | None:
         if system.needs_draft and self.pair.draft is None:
@@ -190,7 +209,8 @@ class InProcess:
     def generator(self, system: System):
         """A function (batch of prompt ids, max tokens) -> CallResult for this system."""
         if system.engine == "specserve":
-            return lambda batch, tokens: specserve_call(self.decoder, system, batch, tokens)
+            decoder = self.decoder
+            return lambda batch, tokens: specserve_call(decoder, system, batch, tokens)
         kwargs = dict(system.options)
         if kwargs.get("assistant_model") == "draft":
             kwargs["assistant_model"] = self.pair.draft.model
@@ -198,14 +218,17 @@ class InProcess:
         return lambda batch, tokens: hf_call(model, batch, tokens, self.stop_ids, **kwargs)
 
     def run_pass(self, system: System, cells: list[Cell], runs: list[LibraryRun], repeat: int, bar) -> None:
+        try:
+            self.ensure_loaded()
+        except Exception as exc:
+            _skip(runs, cells, FAILED, f"could not load the models: {_error(exc)}", bar)
+            return
         generate = self.generator(system)
-        warmed: dict[int, str | None] = {}
         for cell, run in zip(cells, runs):
-            if repeat == 0 and run.status == OK:  # the first pass warms up, and learns what cannot run
-                if cell.batch not in warmed:
-                    warmed[cell.batch] = self.cannot_run(system, cell.batch) or self._warm_up(generate, cells, cell.batch)
-                if warmed[cell.batch]:
-                    run.status, run.reason = CANNOT_RUN, warmed[cell.batch]
+            if run.status == OK:
+                reason = self._prepare(system, generate, cells, cell.batch)
+                if reason:
+                    run.status, run.reason = CANNOT_RUN, reason
             if run.status != OK:
                 bar.update(len(cell.calls))
                 continue
@@ -219,16 +242,21 @@ class InProcess:
                 _record(run, names, result, repeat)
                 bar.update(1)
 
-    @staticmethod
-    def _warm_up(generate, cells: list[Cell], batch: int) -> str | None:
-        """First calls of a shape pay for allocation and kernel selection; a method the engine
-        refuses says why here. Returns that reason, or None."""
-        first = cells[0].calls[0][1][0]
-        try:
-            generate([first[:16]] * batch, WARM_UP_TOKENS)
-        except Exception as exc:
-            return _error(exc)
-        return None
+    def _prepare(self, system: System, generate, cells: list[Cell], batch: int) -> str | None:
+        """Warm up a (system, batch) once per load: first calls of a shape pay for allocation and
+        kernel selection, and a method the engine refuses says why here. Returns that reason."""
+        if (system.name, batch) in self._warm:
+            return None
+        reason = self.cannot_run(system, batch)
+        if reason is None:
+            first = cells[0].calls[0][1][0]
+            try:
+                generate([first[:16]] * batch, WARM_UP_TOKENS)
+            except Exception as exc:
+                reason = _error(exc)
+        if reason is None:
+            self._warm.add((system.name, batch))
+        return reason
 
 
 # --------------------------------------------------------------------------- vLLM

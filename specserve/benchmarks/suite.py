@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import fnmatch
-import gc
 import importlib.metadata
 import json
 import os
@@ -242,8 +241,8 @@ def _library_mode(args, lib_systems, cells, stop_ids, doc, out, bar, save_partia
         done += _derived_phase(args, derive, done, lib_systems, cells, in_process, doc, bar, save)
     save([])
     doc["phases"]["library_s"] = time.monotonic() - started
-    del in_process  # free the weights before the served pools load theirs
-    gc.collect()
+    if isinstance(in_process, library.InProcess):
+        in_process.release()  # free the weights before the served pools load theirs
 
 
 def _load_in_process(args, lib_systems, stop_ids, doc, bar) -> library.InProcess | str | None:
@@ -260,22 +259,29 @@ def _load_in_process(args, lib_systems, stop_ids, doc, bar) -> library.InProcess
 
     hf_logging.set_verbosity_error()  # generate()'s deprecation chatter would break the progress bar
     doc["machine"]["torch_threads"] = torch.get_num_threads()
+    heads = _heads(args)
+
+    def load():
+        pair = load_pair(args.target, args.draft, heads=heads, dtype=args.dtype)
+        return pair, SpeculativeDecoder(pair.verifier(), pair.proposer(), tokenizer=pair.tokenizer,
+                                        eos_token_ids=stop_ids, method="none", max_context=pair.max_context)
+
     bar.set_description("loading models")
+    in_process = library.InProcess(load, stop_ids, args.max_tokens)
     try:
-        pair = load_pair(args.target, args.draft, heads=_heads(args), dtype=args.dtype)
+        in_process.ensure_loaded()
     except Exception as exc:
         return f"could not load the models: {type(exc).__name__}: {exc}".splitlines()[0]
+    pair = in_process.pair
     if set(pair.eos_token_ids) != set(stop_ids):
         doc["notes"].append(f"specserve's loader alone would stop at {sorted(pair.eos_token_ids)}; every system "
                             f"here stops at {stop_ids}.")
     doc["memory"] = memory_per_token(pair, args.dtype)
-    decoder = SpeculativeDecoder(pair.verifier(), pair.proposer(), tokenizer=pair.tokenizer,
-                                 eos_token_ids=stop_ids, method="none", max_context=pair.max_context)
     if pair.heads is not None:
         note = _trained_on_note(doc["setup"]["workloads"])
         if note:
             doc["notes"].append(note)
-    return library.InProcess(pair, decoder, stop_ids, args.max_tokens)
+    return in_process
 
 
 def _vllm(args, lib_systems, cells, stop_ids, machine, out) -> library.Vllm | None:
