@@ -116,7 +116,7 @@ class RequestState:
         """Tokens this request may still emit."""
         room = self.params.max_tokens - len(self.output_ids)
         if self.max_context is not None:
-            room = min(room, self.max_context - len(self.token_ids))
+            room = min(room, self.max_context - len(self.prompt_ids) - len(self.output_ids))
         return room
 
     def round_k(self) -> int:

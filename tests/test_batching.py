@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from specserve.serve.batching import ContinuousBatcher
+from specserve.serve.batching import RUN_AGAIN, ContinuousBatcher
 
 
 def test_calls_arriving_during_a_pass_join_the_next_pass():
@@ -63,3 +63,35 @@ def test_a_failing_call_does_not_fail_its_batch_mates():
     a, bad, c = asyncio.run(scenario())
     assert (a, c) == ("A", "C")
     assert isinstance(bad, ValueError)
+
+
+def test_a_call_answered_run_again_rejoins_the_next_pass_first():
+    batches = []
+
+    def run(items):
+        batches.append(list(items))
+        # "long" needs three passes (a prompt cached in chunks); the others finish at once
+        return [RUN_AGAIN if item == "long" and len(batches) < 3 else item.upper() for item in items]
+
+    async def scenario():
+        batcher = ContinuousBatcher(run, max_batch_size=8)
+        long = asyncio.create_task(batcher.submit("long"))
+        await asyncio.sleep(0)
+        short = asyncio.create_task(batcher.submit("a"))
+        return await asyncio.gather(long, short)
+
+    assert asyncio.run(scenario()) == ["LONG", "A"]
+    assert batches[0] == ["long"] and batches[1][0] == "long" and batches[-1] == ["long"]
+    assert sum(batch.count("a") for batch in batches) == 1  # finished calls are not run again
+
+
+def test_plan_prefill_chunks_bounds_the_prompt_tokens_of_a_pass():
+    from specserve.serve.pools import ALWAYS_READY_TOKENS, plan_prefill_chunks
+
+    assert plan_prefill_chunks([1, 1000, 3, 600, 100], budget=256) == [None, 256, None, 0, 0]
+    assert plan_prefill_chunks([200, 200], budget=256) == [None, 56]
+    assert plan_prefill_chunks([ALWAYS_READY_TOKENS] * 20, budget=16) == [None] * 20  # decode rounds never wait
+    for uncached in ([5000], [300, 300, 300], [17, 900, 2, 255]):
+        plan = plan_prefill_chunks(uncached, budget=256)
+        computed = sum(u if c is None and u > ALWAYS_READY_TOKENS else (c or 0) for u, c in zip(uncached, plan))
+        assert computed <= 256

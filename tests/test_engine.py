@@ -250,3 +250,39 @@ def test_tree_extension_falls_back_to_recompute_when_the_cache_does_not_match(mo
     assert torch.allclose(rows, expected[5:], atol=ATOL)
     with pytest.raises(SpecserveError, match="logits_from"):
         fresh.forward([ForwardItem("r", prefix, tree, logits_from=6)])
+
+
+def test_a_long_prompt_does_not_stall_other_requests_rounds():
+    """Through a target pool's batcher: a 300-token prompt is cached 64 tokens per pass while
+    another request keeps decoding, one round per pass, and its result equals one prefill's."""
+    import asyncio
+
+    from specserve.protocol import SamplingParams, VerifyRequest
+    from specserve.serve.config import PoolArgs
+    from specserve.serve.pools import ALWAYS_READY_TOKENS, TargetPool
+
+    model = tiny_model("qwen2", seed=3)
+    worker = TorchWorker(model)
+    passes = []  # tokens computed per pass
+    forward = worker._forward
+    worker._forward = lambda plans: passes.append(sum(len(p.input_ids) for p in plans)) or forward(plans)
+    pool = TargetPool.func_or_class(PoolArgs(model="tiny", prefill_chunk_tokens=64).model_dump(),
+                                    build_engine=lambda args: worker)
+    long_ids = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(4)).tolist()
+    greedy = SamplingParams()
+
+    async def scenario():
+        long = asyncio.create_task(pool.verify(VerifyRequest("long", long_ids, greedy, 0)))
+        await asyncio.sleep(0)
+        ids, rounds_before_long = [1, 2, 3], 0
+        for _ in range(4):
+            result = await pool.verify(VerifyRequest("short", ids, greedy, 0))
+            ids = ids + result.tokens
+            rounds_before_long += not long.done()
+        return await long, rounds_before_long
+
+    long_result, rounds_before_long = asyncio.run(scenario())
+    assert rounds_before_long == 4  # the short request was never stuck behind the whole prompt
+    assert max(passes) <= 64 + ALWAYS_READY_TOKENS
+    expected = int(reference_logits(model, long_ids)[-1].argmax())
+    assert long_result.tokens == [expected]

@@ -56,6 +56,17 @@ def test_ray_schema_and_args_reject_broken_manifests():
         AppArgs.model_validate({**args, "target": {**args["target"], "autoscaling_config": {"max_replicas": 2}}})
 
 
+def test_kv_cache_is_a_memory_budget():
+    args = yaml.safe_load(next(m for m in MANIFESTS if m.name == "local.yaml").read_text())["applications"][0]["args"]
+    parsed = AppArgs.model_validate({**args, "target": {**args["target"], "kv_cache_memory": "2GiB"}})
+    assert parsed.target.kv_cache_memory == 2 << 30
+    assert AppArgs.model_validate(args).target.kv_cache_memory == 1 << 30  # the default
+    with pytest.raises(ValidationError, match="replaced by kv_cache_memory"):
+        AppArgs.model_validate({**args, "target": {**args["target"], "max_cached_tokens": 4096}})
+    with pytest.raises(ValidationError, match="kv_cache_memory"):
+        AppArgs.model_validate({**args, "target": {**args["target"], "kv_cache_memory": "lots"}})
+
+
 def test_speculation_args_separate_proposer_and_shape():
     from specserve.protocol import Speculation, TreeSpec
     from specserve.serve.config import SpeculationArgs

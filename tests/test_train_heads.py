@@ -321,5 +321,4 @@ def test_smollm2_heads_from_offline_text(tmp_path):
     report = result.report
     before, after = report["heldout_accuracy_before"], report["heldout_accuracy_after"]
     assert after[0] > before[0] + 0.15, (before, after)
-    assert report["cache_seconds"] + report["train_seconds"] < 180
     assert (tmp_path / "heads" / "vllm" / "model.safetensors").is_file()

@@ -4,12 +4,17 @@ Calls wait in a queue; whenever the worker is free, everything queued (up to max
 becomes the next forward pass. Unlike `serve.batch`, which closes each batch when its wait
 window ends and then queues finished batches behind the running one, a batch here is formed
 only when it can run, so every call that arrived during the previous pass joins the next.
+
+A batch may answer RUN_AGAIN for a call it only advanced (a chunk of a long prompt): that call
+goes back to the front of the queue and joins the next pass with whatever arrived meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import Callable
+
+RUN_AGAIN = object()  # a batch result: not finished, run this call again in the next pass
 
 
 class ContinuousBatcher:
@@ -46,6 +51,9 @@ class ContinuousBatcher:
             elif not batch[0][1].done():
                 batch[0][1].set_exception(exc)
             return
+        again = [(item, future) for (item, future), result in zip(batch, results)
+                 if result is RUN_AGAIN and not future.done()]
+        self._queue[:0] = again  # ahead of later arrivals, in their order
         for (_, future), result in zip(batch, results):
-            if not future.done():
+            if result is not RUN_AGAIN and not future.done():
                 future.set_result(result)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 from specserve.protocol import (
     ACCEPTANCES, DRAFT_POOL_PROPOSERS, HEAD_PROPOSERS, MAX_K, MAX_TREE_NODES, PROPOSERS, SHAPES, Speculation,
@@ -50,7 +50,13 @@ class PoolArgs(_DeploymentArgs):
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     device: str = "cpu"
     torch_threads: int | None = Field(None, ge=1, description="torch threads per replica (default: num_cpus)")
-    max_cached_tokens: int = Field(1 << 20, ge=1024, description="KV cache budget per replica, in token slots")
+    kv_cache_memory: ByteSize = Field(
+        ByteSize(1 << 30), description="KV cache per replica, in bytes ('2GiB', '512MiB' or a number), "
+        "preallocated; least recently used requests are evicted when it is full. A token costs "
+        "layers x 2 x kv_heads x head_dim x dtype bytes (28 KiB for Qwen2.5-1.5B in bf16)")
+    prefill_chunk_tokens: int = Field(
+        256, ge=16, description="most prompt tokens one pass computes beyond decode rounds: a longer prompt "
+        "is cached chunk by chunk, riding along with the other requests' rounds instead of stalling them")
     # Continuous batching: calls that arrive while a forward pass runs join the next one.
     max_batch_size: int = Field(16, ge=1, le=1024)
     batch_wait_timeout_s: float = Field(0.002, ge=0, le=1)
@@ -67,6 +73,14 @@ class PoolArgs(_DeploymentArgs):
 
     ALWAYS: ClassVar[tuple[str, ...]] = _DeploymentArgs.ALWAYS + ("health_check_period_s", "health_check_timeout_s")
     IF_SET: ClassVar[tuple[str, ...]] = _DeploymentArgs.IF_SET + ("placement_group_bundles", "placement_group_strategy")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        if isinstance(data, dict) and "max_cached_tokens" in data:
+            raise ValueError("max_cached_tokens was replaced by kv_cache_memory, a budget in bytes: write e.g. "
+                             "kv_cache_memory: 2GiB (a Qwen2.5-1.5B token costs 28 KiB in bf16)")
+        return data
 
 
 class TreeArgs(_Strict):

@@ -24,11 +24,34 @@ from typing import Any, Callable
 from ray import serve
 
 from specserve.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResult
-from specserve.serve.batching import ContinuousBatcher
+from specserve.serve.batching import RUN_AGAIN, ContinuousBatcher
 
 logger = logging.getLogger("ray.serve")
 PROBE_ID = "__specserve_health_probe__"
 RELEASE_MEMORY_S = 300.0  # how long a released request id is remembered
+ALWAYS_READY_TOKENS = 32  # a call with this few uncached tokens (a decode round) never waits for prefill
+
+
+def plan_prefill_chunks(uncached: list[int], budget: int) -> list[int | None]:
+    """Which calls of a pass run now and which only advance their prompt.
+
+    uncached: per call, the tokens the worker has not cached. A call runs now (None) when its
+    uncached tokens fit what is left of this pass's `budget`, or are few (a decode round).
+    Otherwise it gets n: cache n more prompt tokens now (what is left of the budget, maybe 0)
+    and come back in the next pass. A long prompt thus never stalls the others' rounds.
+
+    >>> plan_prefill_chunks([1, 1000, 3, 600, 100], budget=256)
+    [None, 256, None, 0, 0]
+    """
+    plan: list[int | None] = []
+    for tokens in uncached:
+        if tokens <= ALWAYS_READY_TOKENS or tokens <= budget:
+            plan.append(None)
+            budget -= tokens if tokens > ALWAYS_READY_TOKENS else 0
+        else:
+            plan.append(budget)
+            budget = 0
+    return plan
 
 
 def default_engine(pool_args: dict[str, Any]):
@@ -41,7 +64,8 @@ def default_engine(pool_args: dict[str, Any]):
 
     set_torch_threads(pool_args.get("torch_threads") or _cpus_of_this_replica())
     model = models.load_causal_lm(pool_args["model"], dtype=pool_args["dtype"], device=pool_args["device"])
-    return TorchWorker(model, max_cached_tokens=pool_args["max_cached_tokens"])
+    # The replica owns the model: the projections' own copies go once they are prepacked.
+    return TorchWorker(model, kv_cache_bytes=int(pool_args["kv_cache_memory"]), release_model_weights=True)
 
 
 def _cpus_of_this_replica() -> int:
@@ -88,18 +112,32 @@ class _Pool:
     def _run(self, fn, requests):
         with self._lock:
             started = time.perf_counter()
-            out = fn(requests)
+            chunks = self._queue_prefill_chunks(requests)
+            ready = [r for r, chunk in zip(requests, chunks) if chunk is None]
+            out = iter(fn(ready) if ready else self.worker.run([]))  # run([]): the chunks alone
+            out = [next(out) if chunk is None else RUN_AGAIN for chunk in chunks]
             seconds = time.perf_counter() - started
             self._last_forward = time.monotonic()
             self._batches += 1
             self._batched_calls += len(requests)
             self._busy_s += seconds
             for result in out:
-                result.compute_s = seconds
+                if result is not RUN_AGAIN:
+                    result.compute_s = seconds
             for request in requests:
                 if request.request_id in self._released:
                     self.worker.release(request.request_id)
             return out
+
+    def _queue_prefill_chunks(self, requests) -> list[int | None]:
+        """Queue this pass's prompt chunks with the worker (see plan_prefill_chunks)."""
+        worker = self.worker
+        uncached = [worker.uncached_tokens(r.request_id, r.token_ids) for r in requests]
+        chunks = plan_prefill_chunks(uncached, self.args["prefill_chunk_tokens"])
+        for r, left, chunk in zip(requests, uncached, chunks):
+            if chunk:
+                worker.queue_prefill(r.request_id, r.token_ids[: len(r.token_ids) - left + chunk])
+        return chunks
 
     async def release(self, request_id: str) -> bool:
         return await asyncio.to_thread(self._locked_release, request_id)
