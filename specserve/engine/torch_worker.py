@@ -301,6 +301,7 @@ class TorchWorker:
                           DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else kv_cache_bytes)
         self._cache: OrderedDict[str, _CacheEntry] = OrderedDict()
         self._queued_prefill: dict[str, list[int]] = {}
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.forward_passes = 0
         self.evictions = 0
 
@@ -514,8 +515,8 @@ class TorchWorker:
         offsets = np.cumsum([0] + sizes).tolist()
 
         h = self.body.embed_tokens(input_ids)  # [N, hidden]
-        cos, sin = self.body.rotary_emb(h[None], positions[None])
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]
+        cos, sin = self._rotary(h, int(positions.max()) + 1)
+        cos, sin = cos[positions, None], sin[positions, None]  # [N, 1, D]
         for index, layer in enumerate(self.layers):
             x = layer.input_norm(h)
             h = h + layer.o(self._attention(index, layer, x, cos, sin, writes, reads, masks, offsets))
@@ -533,6 +534,15 @@ class TorchWorker:
             logits = self.output(hidden)[:, : self.vocab_size]
         counts = [b - a for a, b in wanted]
         return [Rows(lg, hd) for lg, hd in zip(logits.split(counts), hidden.split(counts))]
+
+    def _rotary(self, h: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own rotary tables for positions [0, length), [length, D], computed once
+        (doubling as contexts grow): the same values as computing them per pass."""
+        if self._rope is None or self._rope[0].shape[0] < length:
+            size = max(length, 2 * (self._rope[0].shape[0] if self._rope else 256))
+            cos, sin = self.body.rotary_emb(h[None, :1], torch.arange(size, device=self.device)[None])
+            self._rope = (cos[0], sin[0])
+        return self._rope
 
     def _attention(self, index, layer: _Layer, x, cos, sin, writes, reads, masks, offsets) -> torch.Tensor:
         n = x.shape[0]
