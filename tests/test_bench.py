@@ -421,3 +421,17 @@ def test_presets_derive_from_a_system_they_run():
             assert preset["derive"]["from"] in names, name
         for pattern in preset.get("systems") or []:
             assert any(fnmatch.fnmatchcase(n, pattern) for n in names), (name, pattern)
+
+
+def test_profile_section_is_written_once_and_kept_when_the_page_is_rewritten(tmp_path):
+    from specserve.benchmarks import profile
+
+    row = {"ms": 80.0, "matmuls": 60.0, "output layer": 10.0, "attention": 5.0, "other": 5.0}
+    run = {"target": "t", "dtype": "bfloat16", "threads": 2, "context": 256, "passes": {"decode, batch 1": row}}
+    profile.write_docs(str(tmp_path), profile.docs_section(run, {**run, "label": "old"}, "cmd"))
+    profile.write_docs(str(tmp_path), profile.docs_section(run, None, "cmd"))  # replaced, not appended
+    page = (tmp_path / "BENCHMARKS.md").read_text()
+    assert page.count(profile.BEGIN) == 1 and "| decode, batch 1 | 80.0 | 60.0 (75%)" in page
+    assert "Before (old)" not in page
+    section = profile.marked_section(page)
+    assert section.startswith(profile.BEGIN) and section.endswith(profile.END)

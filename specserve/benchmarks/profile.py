@@ -11,13 +11,16 @@ one prefill, and splits each pass's wall time into:
 - ``other``: everything else, including Python between kernels (wall time minus the above).
 
 Only top-level kernels are counted, so a linear's own inner `addmm` is not counted twice.
-Prints a markdown table (the one in docs/BENCHMARKS.md) and, with --json, the raw figures.
+Prints a markdown table and, with --json, the raw figures. With --docs DIR it writes the
+"Where a pass goes" section of DIR/BENCHMARKS.md (this run, and --before, an earlier run's
+JSON, for comparison); `specserve bench --docs` keeps that section when it rewrites the page.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise",
@@ -128,6 +131,36 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+BEGIN, END = "<!-- profile: written by specserve.benchmarks.profile -->", "<!-- /profile -->"
+
+
+def marked_section(page: str) -> str:
+    """The profile section of a BENCHMARKS.md page, markers included ('' when absent)."""
+    if BEGIN not in page or END not in page:
+        return ""
+    return page[page.index(BEGIN): page.index(END) + len(END)]
+
+
+def docs_section(after: dict, before: dict | None, command: str) -> str:
+    parts = [BEGIN, "", "## Where a pass goes (torch engine profile)", "",
+             f"`{command}`: {after['target']}, {after['dtype']}, {after['threads']} threads, "
+             f"{after['context']} cached tokens per request. Milliseconds per pass and share of the pass.", ""]
+    if before is not None:
+        parts += [f"Before ({before.get('label', 'earlier engine')}):", "", markdown(before), "",
+                  f"After ({after.get('label', 'this engine')}):", ""]
+    parts += [markdown(after), "", END]
+    return "\n".join(parts)
+
+
+def write_docs(docs: str, section: str) -> None:
+    from pathlib import Path
+
+    page = Path(docs) / "BENCHMARKS.md"
+    text = page.read_text() if page.exists() else "# specserve benchmarks\n"
+    old = marked_section(text)
+    page.write_text(text.replace(old, section) if old else text.rstrip("\n") + "\n\n" + section + "\n")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
@@ -137,14 +170,26 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--json", help="also write the raw figures here")
+    parser.add_argument("--label", help="what this run measures, e.g. a commit (shown in --docs)")
+    parser.add_argument("--docs", help="write the profile section of DOCS/BENCHMARKS.md")
+    parser.add_argument("--before", help="an earlier run's --json, shown before this one in --docs")
     args = parser.parse_args(argv)
     report = run_profile(args.target, context=args.context, prefill=args.prefill, batch=args.batch,
                          repeats=args.repeats, dtype=args.dtype)
+    if args.label:
+        report["label"] = args.label
     print(f"{report['target']} {report['dtype']}, {report['threads']} threads, context {report['context']}")
     print(markdown(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+    if args.docs:
+        before = None
+        if args.before:
+            with open(args.before) as f:
+                before = json.load(f)
+        command = "python -m specserve.benchmarks.profile " + " ".join(argv if argv is not None else sys.argv[1:])
+        write_docs(args.docs, docs_section(report, before, command))
 
 
 if __name__ == "__main__":

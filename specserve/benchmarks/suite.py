@@ -483,4 +483,6 @@ def write_outputs(doc: dict, out: Path, docs: str | None) -> None:
         images = Path(docs) / "bench"
         images.mkdir(parents=True, exist_ok=True)
         write_plots(doc, images)
-        (Path(docs) / "BENCHMARKS.md").write_text(report.markdown(doc, image_prefix="bench/"))
+        page = Path(docs) / "BENCHMARKS.md"
+        kept = profile.marked_section(page.read_text()) if page.exists() else ""
+        page.write_text(report.markdown(doc, image_prefix="bench/") + (f"\n{kept}\n" if kept else ""))
