@@ -191,6 +191,9 @@ def test_chunked_prefill_equals_one_prefill(model):
     [logits] = worker.forward([ForwardItem("r", ids)])
     assert torch.allclose(logits, expected, atol=ATOL)
     assert torch.allclose(worker.cached_kv("r"), fresh_kv(model, ids), atol=ATOL)
+    worker.queue_prefill("r", ids[:16])  # a stale chunk: already cached, it changes nothing
+    worker.forward([ForwardItem("other", [1, 2, 3, 4])])
+    assert worker.cached_tokens("r") == ids
     worker.queue_prefill("r", ids)  # a queued chunk and a call for the same request: the call wins
     worker.forward([ForwardItem("r", ids)])
     assert worker.cached_tokens("r") == ids

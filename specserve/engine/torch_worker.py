@@ -485,7 +485,10 @@ class TorchWorker:
         if len(ids) != len(set(ids)):
             raise SpecserveError("a request may appear only once per forward pass")
         plans = [self._plan(item) for item in items]
-        chunks = [(rid, tokens) for rid, tokens in self._queued_prefill.items() if rid not in set(ids)]
+        # A chunk already cached (or whose request runs in this pass anyway) is dropped: planning
+        # it would cut the request's cached tokens back to the chunk.
+        chunks = [(rid, tokens) for rid, tokens in self._queued_prefill.items()
+                  if rid not in set(ids) and self.uncached_tokens(rid, tokens) > 0]
         self._queued_prefill.clear()
         for rid, tokens in chunks:
             plan = self._plan(ForwardItem(rid, tokens), prefill_only=True)
