@@ -289,3 +289,19 @@ def test_a_long_prompt_does_not_stall_other_requests_rounds():
     assert max(passes) <= 64 + ALWAYS_READY_TOKENS
     expected = int(reference_logits(model, long_ids)[-1].argmax())
     assert long_result.tokens == [expected]
+
+
+def test_decode_rows_of_many_requests_of_different_lengths_equal_one_at_a_time(model):
+    """Five requests of different lengths each decode one token in one pass: every row equals
+    the request decoded alone, and transformers' own forward."""
+    gen = torch.Generator().manual_seed(12)
+    seqs = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (3, 50, 17, 8, 33)]
+    alone, together = TorchWorker(model), TorchWorker(model)
+    for w in (alone, together):
+        for i, s in enumerate(seqs):
+            w.forward([ForwardItem(f"r{i}", s[:-1])])
+    items = [ForwardItem(f"r{i}", s) for i, s in enumerate(seqs)]
+    expected = [alone.forward([item])[0] for item in items]
+    for got, want, s in zip(together.forward(items), expected, seqs):
+        assert torch.allclose(got, want, atol=ATOL)
+        assert torch.allclose(got[0], reference_logits(model, s)[-1], atol=ATOL)
