@@ -20,7 +20,6 @@ copy returns the same logits.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -77,14 +76,15 @@ class Linear:
     bf16 kernel streams weights ~1.5x faster than eager `F.linear` (DESIGN.md), with the same
     results. Elsewhere (CUDA) it is a plain fused F.linear."""
 
-    def __init__(self, modules, *, pack: bool):
+    def __init__(self, modules, *, pack: bool, rows: int | None = None):
         weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
+        weight = weight[:rows]  # rows: only the first output rows (the usable vocabulary)
         biases = [m.bias for m in modules]
         self.bias = None
         if any(b is not None for b in biases):
             self.bias = torch.cat([b.detach() if b is not None else weight.new_zeros(m.out_features)
                                    for m, b in zip(modules, biases)])
-        self.sizes = [m.out_features for m in modules]
+        self.sizes = [m.out_features for m in modules] if rows is None else [weight.shape[0]]
         self.packed = pack
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if pack else weight
 
@@ -129,7 +129,7 @@ class KVCache:
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  budget_bytes: int):
-        self.bytes_per_token = layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_token = self.token_bytes(layers, kv_heads, head_dim, dtype)
         self.num_blocks = budget_bytes // (self.bytes_per_token * BLOCK_TOKENS)
         if self.num_blocks < 1:
             raise SpecserveError(f"the KV cache budget ({budget_bytes} bytes) is smaller than one block of "
@@ -141,6 +141,11 @@ class KVCache:
                                     dtype=dtype, device=device)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: lowest block first
         self._block_offsets = torch.arange(BLOCK_TOKENS, device=device)
+
+    @staticmethod
+    def token_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """K and V of every layer for one token."""
+        return layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
     def capacity_tokens(self) -> int:
@@ -173,7 +178,6 @@ class _CacheEntry:
     # Tree nodes written after `tokens` by the last call (node i at position len(tokens) + i),
     # waiting for the next call to tell which path was accepted.
     pending: TokenTree | None = None
-    last_used: float = 0.0
 
 
 @dataclass
@@ -288,15 +292,15 @@ class TorchWorker:
         self.vocab_size = min(vocab_size or model.lm_head.out_features, model.lm_head.out_features)
         self.prepacked = can_prepack(self.device, self.dtype) if prepack is None else prepack
         self.layers = [self._layer(layer) for layer in self.body.layers]
-        self.output = Linear([model.lm_head], pack=self.prepacked)
+        self.output = Linear([model.lm_head], pack=self.prepacked, rows=self.vocab_size)
         if release_model_weights:
             self._release_model_weights()
         layers = len(self.layers)
         if max_cached_tokens is not None:
             if kv_cache_bytes is not None:
                 raise SpecserveError("give kv_cache_bytes or max_cached_tokens, not both")
-            kv_cache_bytes = max_cached_tokens * layers * 2 * self.num_kv_heads * self.head_dim * \
-                torch.empty((), dtype=self.dtype).element_size()
+            kv_cache_bytes = max_cached_tokens * KVCache.token_bytes(layers, self.num_kv_heads, self.head_dim,
+                                                                     self.dtype)
         self.kv = KVCache(layers, self.num_kv_heads, self.head_dim, self.dtype, self.device,
                           DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else kv_cache_bytes)
         self._cache: OrderedDict[str, _CacheEntry] = OrderedDict()
@@ -358,7 +362,8 @@ class TorchWorker:
             return
         path = tree.path_of(token_ids[base:])
         if path != list(range(len(path))):
-            rest = [i for i in range(len(tree)) if i not in set(path)]
+            kept = set(path)
+            rest = [i for i in range(len(tree)) if i not in kept]
             order = torch.tensor(path + rest, device=entry.slots.device) + base
             entry.slots[base:base + len(tree)] = entry.slots[order]
         entry.tokens = entry.tokens + [tree.tokens[i] for i in path]
@@ -372,7 +377,6 @@ class TorchWorker:
         if entry is None:
             entry = self._cache[item.request_id] = _CacheEntry()
         self._cache.move_to_end(item.request_id)
-        entry.last_used = time.monotonic()
         pending = entry.pending
         if (pending is not None and item.logits_from is not None and len(pending) <= item.logits_from
                 and entry.tokens == item.token_ids and item.tree.extends(pending)):
@@ -481,14 +485,14 @@ class TorchWorker:
         """Run every item's new tokens, and any queued prefill chunks, in one ragged pass;
         returns, per item, the logits and last hidden states of rows [1 + len(tree)] (the last
         token, then each node), or of the rows asked for by `logits_from`."""
-        ids = [i.request_id for i in items]
-        if len(ids) != len(set(ids)):
+        ids = {i.request_id for i in items}
+        if len(ids) != len(items):
             raise SpecserveError("a request may appear only once per forward pass")
         plans = [self._plan(item) for item in items]
         # A chunk already cached (or whose request runs in this pass anyway) is dropped: planning
         # it would cut the request's cached tokens back to the chunk.
         chunks = [(rid, tokens) for rid, tokens in self._queued_prefill.items()
-                  if rid not in set(ids) and self.uncached_tokens(rid, tokens) > 0]
+                  if rid not in ids and self.uncached_tokens(rid, tokens) > 0]
         self._queued_prefill.clear()
         for rid, tokens in chunks:
             plan = self._plan(ForwardItem(rid, tokens), prefill_only=True)
@@ -496,7 +500,7 @@ class TorchWorker:
                 plans.append(plan)
         if not plans:
             return []
-        self._reserve(plans, set(ids) | {rid for rid, _ in chunks})
+        self._reserve(plans, ids | {rid for rid, _ in chunks})
         out = self._forward(plans)
         for item, p in zip(items, plans):
             p.entry.tokens = list(item.token_ids)
@@ -529,12 +533,12 @@ class TorchWorker:
 
         wanted = [(offsets[b] + p.first_logit_row, offsets[b] + sizes[b]) for b, p in enumerate(plans)
                   if p.first_logit_row >= 0]
-        rows = torch.cat([torch.arange(a, b, device=device) for a, b in wanted]) if wanted else None
-        if rows is None:
+        if not wanted:
             return []
+        rows = torch.cat([torch.arange(a, b, device=device) for a, b in wanted])
         hidden = self.body.norm(h.index_select(0, rows))
         with record_function("specserve::output_layer"):
-            logits = self.output(hidden)[:, : self.vocab_size]
+            logits = self.output(hidden)
         counts = [b - a for a, b in wanted]
         return [Rows(lg, hd) for lg, hd in zip(logits.split(counts), hidden.split(counts))]
 
