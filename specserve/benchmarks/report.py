@@ -330,6 +330,13 @@ def _setup(setup: dict) -> list[str]:
     return out
 
 
+def _plots(doc: dict, keys: tuple[str, ...], image_prefix: str) -> list[str]:
+    """Markdown image lines for the plots among `keys` that the run wrote."""
+    written = doc.get("plots", {})
+    return [line for key in keys if written.get(key)
+            for line in (f"![{PLOTS[key][1]}]({image_prefix}{PLOTS[key][0]})", "")]
+
+
 def _library(doc: dict, image_prefix: str) -> list[str]:
     library = doc.get("library", [])
     if not library:
@@ -353,10 +360,7 @@ def _library(doc: dict, image_prefix: str) -> list[str]:
     if derived:
         out += [f"Static trees derived from **{derived['from']}**: per-rank acceptance {derived['rank_acceptance']}; "
                 + "; ".join(f"{name}: `{shape}`" for name, shape in derived["shapes"].items()), ""]
-    if doc.get("plots", {}).get("speedup"):
-        out += [f"![{PLOTS['speedup'][1]}]({image_prefix}{PLOTS['speedup'][0]})", ""]
-    if doc.get("plots", {}).get("batch"):
-        out += [f"![{PLOTS['batch'][1]}]({image_prefix}{PLOTS['batch'][0]})", ""]
+    out += _plots(doc, ("speedup", "batch"), image_prefix)
     settings = _vllm_settings(doc.get("vllm_settings") or [])
     if settings:
         out += ["### vLLM engine settings", "",
@@ -375,7 +379,5 @@ def _service(doc: dict, image_prefix: str) -> list[str]:
     out = ["## Service mode", ""]
     for workload in dict.fromkeys(r["workload"] for r in service):
         out += [f"### {workload}", "", *_service_rows([r for r in service if r["workload"] == workload]), ""]
-    for key in ("throughput", "latency"):
-        if doc.get("plots", {}).get(key):
-            out += [f"![{PLOTS[key][1]}]({image_prefix}{PLOTS[key][0]})", ""]
+    out += _plots(doc, ("throughput", "latency"), image_prefix)
     return out
