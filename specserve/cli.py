@@ -64,7 +64,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     default = "draft" if args.draft else "medusa" if args.heads else "none"
     spec = Speculation(proposer=default, k=args.k, tree=_tree_spec(args)).overridden(  # fail before loading gigabytes
-        method=args.method, proposer=args.proposer, shape=args.shape, acceptance=args.acceptance)
+        method=args.method, proposer=args.proposer, shape=args.shape, acceptance=args.acceptance, policy=args.policy)
     if spec.proposer in DRAFT_POOL_PROPOSERS and not args.draft:
         raise SpecserveError(f"proposer {spec.proposer} needs --draft MODEL (or use --proposer none)")
     heads = args.heads or ("default" if spec.co_located else None)
@@ -138,6 +138,9 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--acceptance", choices=["exact", "typical"],
                    help="exact (default, lossless) or typical (Medusa's typical acceptance: LOSSY)")
     p.add_argument("-k", "--k", type=int, default=4, help="draft tokens per round (default 4)")
+    p.add_argument("--policy", choices=["fixed", "adaptive"], default="fixed",
+                   help="fixed: draft k (a tree: its depth) every round (default); adaptive: the load-aware "
+                        "policy drafts 0..k per round, whichever its measurements say is fastest")
     defaults = TreeSpec()
     p.add_argument("--tree-budget", type=int, default=defaults.budget,
                    help=f"--shape tree: most draft nodes per round (default {defaults.budget})")
@@ -191,7 +194,7 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
     options = TrainOptions(
         method=args.method, num_heads=args.heads, num_layers=args.layers, steps=args.steps, lr=args.lr,
         batch_size=args.batch_size, seq_len=args.seq_len, max_tokens=args.max_tokens,
-        head_vocab_size=args.head_vocab, own_lm_head=args.own_lm_head, seed=args.seed, dtype=args.dtype,
+        generated_tokens=args.generated_tokens, generated_share=args.generated_share, head_vocab_size=args.head_vocab, own_lm_head=args.own_lm_head, seed=args.seed, dtype=args.dtype,
         device=args.device, threads=args.threads, checkpoint_every=args.checkpoint_every,
         progress=not args.no_progress)
     validate_options(options)  # before any model is loaded
@@ -201,8 +204,10 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
     print(f"heads: {result.out_dir}  ({report['steps']} steps in {report['train_seconds']:.0f} s, "
           f"{report['train_tokens']} training tokens, head vocabulary {report['head_vocab_size']})")
     print("held-out top-1 accuracy (head i predicts token t+i+2):")
+    own = report["heldout_own_accuracy_after"]
     for i, (before, after) in enumerate(zip(report["heldout_accuracy_before"], report["heldout_accuracy_after"])):
-        print(f"  head {i}: {after:.3f}  (untrained {before:.3f})")
+        own_text = f"; on the target's own continuations {own[i]:.3f}" if own else ""
+        print(f"  head {i}: {after:.3f} on text (untrained {before:.3f}){own_text}")
     return EXIT_OK
 
 
@@ -229,6 +234,12 @@ def add_train_heads_parser(subparsers) -> None:
                    help=f"tokens per forward pass while caching hidden states (default {d.seq_len})")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens,
                    help=f"training text budget in tokens (default {d.max_tokens})")
+    p.add_argument("--generated-tokens", type=int, default=d.generated_tokens,
+                   help=f"self-distillation: tokens the target writes as training text, continuing training "
+                        f"prompts greedily (default {d.generated_tokens}; 0: none)")
+    p.add_argument("--generated-share", type=float, default=d.generated_share,
+                   help=f"share of each step's positions drawn from those continuations "
+                        f"(default {d.generated_share})")
     p.add_argument("--head-vocab", type=int, help="tokens the heads can propose (default: the whole vocabulary "
                                                   "up to 65536 tokens, else the 32768 most frequent)")
     p.add_argument("--own-lm-head", action="store_true",

@@ -16,6 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from specserve.policy import LoadModel, SpeculationPolicy
 from specserve.proposers import Proposer
 from specserve.protocol import DRAFT_POOL_PROPOSERS, SamplingParams, Speculation, SpecserveError, TreeSpec
 from specserve.request_state import RequestState, SpecStats
@@ -73,6 +74,9 @@ class SpeculativeDecoder:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
         self.last_report = BatchReport()
+        # adaptive speculation: the policy and what it has measured of this decoder's passes
+        self.policy = SpeculationPolicy()
+        self.load = LoadModel()
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, *, heads: str | None = None,
@@ -114,16 +118,18 @@ class SpeculativeDecoder:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] = SamplingParams(), *,
                  speculation: Speculation | None = None, method: str | None = None, proposer: str | None = None,
                  shape: str | None = None, k: int | None = None, tree: TreeSpec | None = None,
-                 acceptance: str | None = None) -> list[Generation]:
+                 acceptance: str | None = None, policy: str | None = None) -> list[Generation]:
         """Generate for a batch of prompts (strings or token id lists) together. `speculation`
-        (or `proposer`, `shape`, `k`, `tree`, `acceptance`, or the older `method`) override the
-        decoder's defaults for this call."""
+        (or `proposer`, `shape`, `k`, `tree`, `acceptance`, `policy`, or the older `method`)
+        override the decoder's defaults for this call. `policy="adaptive"` lets the load-aware
+        policy pick each round's depth (0..k); an explicit k, shape, tree or proposer alone
+        means fixed."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise SpecserveError("give one SamplingParams per prompt, or one for all")
         spec = (speculation or self.speculation).overridden(method=method, proposer=proposer, shape=shape, k=k,
-                                                            tree=tree, acceptance=acceptance)
+                                                            tree=tree, acceptance=acceptance, policy=policy)
         self._check_proposer(spec)
         states = [RequestState(uuid.uuid4().hex, self._encode(prompt), p, spec, self.eos_token_ids, self.max_context)
                   for prompt, p in zip(prompts, params)]
@@ -152,8 +158,22 @@ class SpeculativeDecoder:
         return self._decode(state.output_ids) if self.tokenizer is not None else None
 
     def _round(self, live: list[RequestState]) -> None:
+        for s in live:
+            s.plan_round(self.policy, self.load, batch=len(live))
         drafting = [s.propose_request() for s in live if s.needs_proposer]
-        proposals = {p.request_id: p for p in self.proposer.propose(drafting)} if drafting else {}
+        proposals = {}
+        if drafting:
+            worker = self.proposer.worker
+            passes, started = worker.forward_passes, time.perf_counter()
+            proposals = {p.request_id: p for p in self.proposer.propose(drafting)}
+            steps = max(1, worker.forward_passes - passes)
+            self.load.observe_draft(sum(r.tree.width if r.tree else 1 for r in drafting),
+                                    (time.perf_counter() - started) / steps)
         verify = [s.verify_request(proposals.get(s.request_id) or s.proposal_in_hand()) for s in live]
-        for s, v, result in zip(live, verify, self.verifier.verify(verify)):
+        worker = self.verifier.worker
+        tokens = sum(worker.uncached_tokens(v.request_id, v.token_ids) + len(v.draft) for v in verify)
+        started = time.perf_counter()
+        results = self.verifier.verify(verify)
+        self.load.observe_target(len(verify), tokens, time.perf_counter() - started)
+        for s, v, result in zip(live, verify, results):
             s.commit(result, v.draft)

@@ -23,6 +23,8 @@ SHAPES = ("chain", "tree")
 # The method names before proposer and shape were separate, and what each one means now.
 LEGACY_METHODS = {"none": ("none", "chain"), "draft": ("draft", "chain"), "tree": ("draft", "tree")}
 ACCEPTANCES = ("exact", "typical")
+# fixed: draft `depth` every round; adaptive: specserve.policy picks 0..depth per round from load
+POLICIES = ("fixed", "adaptive")
 
 # How the nodes of a proposal were drawn; the verifier's acceptance depends on it.
 SAMPLED = "sampled"  # siblings drawn without replacement from a distribution q sent along
@@ -261,8 +263,12 @@ class Speculation:
     tree: TreeSpec = field(default_factory=TreeSpec)
     acceptance: str = "exact"
     typical: TypicalAcceptance = field(default_factory=TypicalAcceptance)
+    policy: str = "fixed"
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise SpecserveError(f"unknown speculation policy {self.policy!r}; choose fixed (draft k / the "
+                                 "tree's depth every round) or adaptive (load-aware, 0..k per round)")
         if self.proposer not in PROPOSERS:
             raise SpecserveError(f"unknown proposer {self.proposer!r}; choose one of {', '.join(PROPOSERS)}")
         if self.shape not in SHAPES:
@@ -290,22 +296,31 @@ class Speculation:
         """The tree a proposer grows (None: a chain)."""
         return self.tree if self.shape == "tree" else None
 
+    @property
+    def adaptive(self) -> bool:
+        return self.policy == "adaptive" and self.proposer != "none"
+
     def describe(self) -> str:
         if self.proposer == "none":
             return "none"
         shape = f"chain k={self.k}" if self.shape == "chain" else f"tree {self.tree}"
-        return f"{self.proposer}, {shape}, {'typical acceptance (LOSSY)' if self.lossy else 'exact'}"
+        policy = ", adaptive (load-aware)" if self.adaptive else ""
+        return f"{self.proposer}, {shape}{policy}, {'typical acceptance (LOSSY)' if self.lossy else 'exact'}"
 
     def overridden(self, *, method: str | None = None, proposer: str | None = None, shape: str | None = None,
                    k: int | None = None, tree: TreeSpec | None = None, acceptance: str | None = None,
-                   typical: dict | None = None) -> Speculation:
+                   typical: dict | None = None, policy: str | None = None) -> Speculation:
         """This speculation with some settings replaced (a request's override, a CLI flag).
         `method` is the older spelling of proposer + shape (see `from_method`). `typical` is
-        partial: unset fields keep these ones."""
+        partial: unset fields keep these ones. An explicit proposer, shape, k or tree wins over
+        the load-aware policy: it makes the policy `fixed` unless `policy` is given too."""
         if method is not None:
             proposer, shape = from_method(method, proposer, shape)
+        if policy is None and any(v is not None for v in (proposer, shape, k, tree)):
+            policy = "fixed"
         changes = {name: value for name, value in (("proposer", proposer), ("shape", shape), ("k", k),
-                                                   ("tree", tree), ("acceptance", acceptance)) if value is not None}
+                                                   ("tree", tree), ("acceptance", acceptance),
+                                                   ("policy", policy)) if value is not None}
         if typical:
             changes["typical"] = replace(self.typical, **typical)
         return replace(self, **changes) if changes else self
@@ -359,6 +374,17 @@ def check_draw_law(tree: TokenTree, law: str, dists: SparseDist | None, who: str
 
 
 @dataclass(frozen=True)
+class PoolLoad:
+    """A pool's state at the pass that answered a call: the load signal every reply carries."""
+
+    batch_size: int  # calls in the pass
+    batch_tokens: float  # tokens per forward pass (new tokens + draft nodes)
+    queued: int  # calls still waiting when the pass ended
+    step_s: float  # seconds per forward pass
+    passes: int = 1  # forward passes the call took (a draft's k steps)
+
+
+@dataclass(frozen=True)
 class DraftShape:
     """How much to draft for a request's next round: a chain of k tokens (tree None), or a tree
     capped at depth k. `seed` is the randomness of that round's draft sampling."""
@@ -394,6 +420,7 @@ class Proposal:
     # drawing without replacement). None for deterministic proposals.
     dists: SparseDist | None = None
     compute_s: float = 0.0  # the pool's time in the batch that produced it
+    load: PoolLoad | None = None  # the draft pool's state at that batch
 
     def __post_init__(self) -> None:
         check_draw_law(self.tree, self.law, self.dists, f"proposal for {self.request_id}")
@@ -434,3 +461,4 @@ class VerifyResult:
     tokens: list[int]  # accepted draft tokens + one recovered or bonus token from the target
     compute_s: float = 0.0  # the pool's time in the batch that produced it
     next_proposal: Proposal | None = None  # co-located heads: the next round's draft
+    load: PoolLoad | None = None  # the target pool's state at that batch

@@ -11,6 +11,7 @@ import random
 import secrets
 from dataclasses import dataclass, field
 
+from specserve.policy import AcceptanceTracker, Decision, LoadModel, SpeculationPolicy
 from specserve.protocol import (
     DraftShape, Proposal, ProposeRequest, SamplingParams, Speculation, SpecserveError, TokenTree, VerifyRequest,
     VerifyResult,
@@ -33,6 +34,8 @@ class SpecStats:
     num_accepted_tokens_per_rank: list[int] = field(default_factory=list)
     num_reached_tokens_per_rank: list[int] = field(default_factory=list)
     generated_tokens: int = 0
+    # Rounds per drafted depth: k_histogram[k] rounds drafted k levels (0: no speculation).
+    k_histogram: list[int] = field(default_factory=list)
     # Serving only: wall time of pool calls minus the pools' compute time (transport, queueing).
     round_trip_overhead_s: float = 0.0
 
@@ -53,6 +56,7 @@ class SpecStats:
         self.generated_tokens += other.generated_tokens
         self.round_trip_overhead_s += other.round_trip_overhead_s
         for mine, theirs in ((self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos),
+                             (self.k_histogram, other.k_histogram),
                              (self.num_accepted_tokens_per_rank, other.num_accepted_tokens_per_rank),
                              (self.num_reached_tokens_per_rank, other.num_reached_tokens_per_rank)):
             add_counts(mine, theirs)
@@ -68,6 +72,9 @@ class SpecStats:
             "num_reached_tokens_per_rank": list(self.num_reached_tokens_per_rank),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "k_histogram": {str(k): n for k, n in enumerate(self.k_histogram) if n},
+            "speculation_off_share": round(self.k_histogram[0] / sum(self.k_histogram), 4)
+            if self.k_histogram and sum(self.k_histogram) else 0.0,
             "round_trip_overhead_ms_per_round": round(
                 1000 * self.round_trip_overhead_s / self.target_steps if self.target_steps else 0.0, 3),
         }
@@ -91,6 +98,10 @@ class RequestState:
     stop_text: str | None = None  # the output text cut before a matched stop sequence
     released: bool = False  # serving: the pools were told to free this request's caches
     stats: SpecStats = field(default_factory=SpecStats)
+    # The load-aware policy (speculation.policy == "adaptive"): its depth for this round, and
+    # this request's measured acceptance per draft position.
+    policy_k: int | None = None
+    acceptance: AcceptanceTracker | None = None
     rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -124,7 +135,24 @@ class RequestState:
         emitted (the round's recovered/bonus token takes one of the remaining places)."""
         if self.prefill_without_draft and not self.output_ids:
             return 0
-        return max(0, min(self.speculation.depth, self.room() - 1))
+        depth = self.speculation.depth if self.policy_k is None else self.policy_k
+        return max(0, min(depth, self.room() - 1))
+
+    def plan_round(self, policy: SpeculationPolicy, load: LoadModel, batch: float | None = None) -> Decision | None:
+        """Adaptive speculation: let the policy set this round's depth (0 = off) from the
+        request's acceptance and the pools' load. Fixed speculation: nothing to decide."""
+        spec = self.speculation
+        if not spec.adaptive:
+            return None
+        if self.acceptance is None:
+            self.acceptance = policy.tracker(f"{spec.proposer}/{spec.shape}", spec.depth)
+        current = spec.depth if self.policy_k is None else self.policy_k
+        decision = policy.choose(self.acceptance, load, current=current, max_k=spec.depth, batch=batch,
+                                 draft_cost="co_located" if spec.co_located else "pool")
+        self.policy_k = decision.k
+        if decision.k == 0:
+            self.acceptance.relax()
+        return decision
 
     @property
     def needs_proposer(self) -> bool:
@@ -164,7 +192,8 @@ class RequestState:
         spec = self.speculation
         return {**self.stats.as_dict(), "proposer": spec.proposer,
                 "shape": "none" if spec.proposer == "none" else spec.shape,
-                "acceptance": "typical (lossy)" if spec.lossy else "exact", "lossy": spec.lossy}
+                "acceptance": "typical (lossy)" if spec.lossy else "exact", "lossy": spec.lossy,
+                "policy": "adaptive" if spec.adaptive else "fixed"}
 
     def commit(self, result: VerifyResult, draft: TokenTree) -> list[int]:
         """Append a round's verified tokens, cut at EOS / stop ids / max_tokens. Returns the
@@ -172,11 +201,14 @@ class RequestState:
         self.held_proposal = result.next_proposal
         s = self.stats
         s.target_steps += 1
+        depth = max(draft.depths) if len(draft) else 0  # positions count by depth: a tree has many nodes each
+        add_counts(s.k_histogram, [0] * depth + [1])
+        if self.acceptance is not None:
+            self.acceptance.observe(depth, result.num_accepted, len(draft))
         if len(draft):
             s.num_drafts += 1
             s.num_draft_tokens += len(draft)
             s.num_accepted_tokens += result.num_accepted
-            depth = max(draft.depths)  # positions count by depth: a tree has many nodes per position
             add_counts(s.num_accepted_tokens_per_pos, [1] * result.num_accepted + [0] * (depth - result.num_accepted))
             accepted, reached = count_ranks(draft, draft.path_of(result.tokens[: result.num_accepted]))
             add_counts(s.num_accepted_tokens_per_rank, accepted)

@@ -183,6 +183,12 @@ def token_sequences(tokenizer, max_tokens: int, seed: int = 0, *,
     return sequences
 
 
+def heldout_prompts(tokenizer) -> list[list[int]]:
+    """Held-out prompts for the target's own continuations: the first HumanEval problems'
+    prompts, as the code workload feeds them."""
+    return [tokenizer.encode(p["prompt"]) for p in _humaneval_problems()[:HELD_OUT_FIRST_HUMANEVAL]]
+
+
 def heldout_sequences(tokenizer, max_tokens: int) -> list[list[int]]:
     """Held-out evaluation text: the first HumanEval problems with their solutions."""
     return _take(tokenizer, heldout_humaneval_documents(), max_tokens)
@@ -199,3 +205,38 @@ def _take(tokenizer, docs: list[Document], quota: int) -> list[list[int]]:
             out.append(ids)
             quota -= len(ids)
     return out
+
+
+# ---- prompts for the target's own continuations -----------------------------------------
+
+STDLIB_PROMPT_TOKENS = 192  # a standard-library prompt: the first tokens of a seeded window
+
+
+def generation_prompts(tokenizer, seed: int = 0, *, stdlib_count: int = 400) -> list[list[int]]:
+    """Prompts whose greedy continuations by the target become self-distillation text
+    (`specserve.heads.generated`), the benchmarks' held-out ones excluded: HumanEval problem
+    prompts as they are (the code workload's format), MT-Bench questions through the chat
+    template with the generation prompt (the chat workload's format), and the openings of
+    standard-library windows. The sources take turns, in a seeded order, so any budget gets a
+    mix of the three."""
+    excluded = held_out()
+    rng = random.Random(seed)
+    code = [tokenizer.encode(p["prompt"]) for p in _humaneval_problems() if p["task_id"] not in excluded.humaneval]
+    chat = []
+    for doc in mtbench_documents(excluded.mtbench):
+        question = json.loads(doc.text)[0]["content"]
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                                 add_generation_prompt=True)
+            chat.append(tokenizer.encode(text, add_special_tokens=False))
+        else:
+            chat.append(tokenizer.encode(question))
+    library = [ids[:STDLIB_PROMPT_TOKENS] for doc in stdlib_documents(seed + 1, stdlib_count)
+               if len(ids := tokenizer.encode(doc.text, add_special_tokens=False)) > STDLIB_PROMPT_TOKENS // 2]
+    sources = [code, chat, library]
+    for s in sources:
+        rng.shuffle(s)
+    mixed = []
+    for i in range(max(map(len, sources))):
+        mixed += [s[i] for s in sources if i < len(s)]
+    return mixed

@@ -64,6 +64,12 @@ class TrainOptions:
     seq_len: int = 256  # tokens per forward pass while caching hidden states (KV carried over)
     max_tokens: int = 150_000  # training text budget, in target tokens
     eval_tokens: int = 2048  # held-out text budget
+    # Self-distillation: the target's own greedy continuations of training prompts
+    # (specserve.heads.generated); 0 turns them off.
+    generated_tokens: int = 40_000  # tokens the target writes for training
+    generated_eval_tokens: int = 1024  # ... and for held-out evaluation (held-out prompts)
+    generated_max_new: int = 256  # longest continuation of one prompt
+    generated_share: float = 0.5  # share of each step's positions taken from the continuations
     head_vocab_size: int | None = None  # None: the full vocabulary up to 65536, else 32768
     own_lm_head: bool = False  # train a copy of the lm_head per head (large: slow on CPU)
     seed: int = 0
@@ -98,6 +104,7 @@ def quick_options(**overrides) -> TrainOptions:
     """A short run (about a minute for smollm2-135m-instruct on 2 CPU cores) whose heads
     clearly beat untrained ones: for tests and smoke runs."""
     base = TrainOptions(num_heads=2, steps=300, batch_size=256, max_tokens=16_000, eval_tokens=1024,
+                        generated_tokens=3000, generated_eval_tokens=512, generated_max_new=128,
                         head_vocab_size=8192, warmup_steps=10, checkpoint_every=1000, lr=3e-3,
                         dtype="float32")  # bfloat16 runs SmolLM2-135M several times slower here
     return replace(base, **overrides)
@@ -118,9 +125,14 @@ def validate_options(options: TrainOptions) -> None:
     if options.method != "medusa":
         raise SpecserveError(f"unknown head method {options.method!r}; only medusa")
     for name in ("steps", "num_heads", "num_layers", "batch_size", "seq_len", "max_tokens", "eval_tokens",
-                 "checkpoint_every"):
+                 "checkpoint_every", "generated_max_new"):
         if getattr(options, name) < 1:
             raise SpecserveError(f"{name} must be >= 1, got {getattr(options, name)}")
+    for name in ("generated_tokens", "generated_eval_tokens"):
+        if getattr(options, name) < 0:
+            raise SpecserveError(f"{name} must be >= 0 (0: no self-distillation), got {getattr(options, name)}")
+    if not 0.0 <= options.generated_share <= 1.0:
+        raise SpecserveError(f"generated_share must be in [0, 1], got {options.generated_share}")
     if not options.lr > 0:
         raise SpecserveError(f"lr must be > 0, got {options.lr}")
     if options.head_vocab_size is not None and options.head_vocab_size < 1:
@@ -411,7 +423,8 @@ def train_medusa(target, out_dir: str | Path | None = None, options: TrainOption
     object) into `out_dir` (default: `default_heads_dir(target, "medusa")`).
 
     `sequences` / `eval_sequences`: explicit training and held-out token ids (both, or neither:
-    then the offline text of `specserve.heads.data`, which needs the target's tokenizer).
+    then the offline text of `specserve.heads.data`, which needs the target's tokenizer). With
+    explicit sequences, the first half of each is a prompt for the target's own continuations.
     `stop_at`: stop after that many steps with a checkpoint, as an interrupted run would;
     `resume=True` then continues to `options.steps`.
     """
@@ -455,6 +468,11 @@ def _prepare_data(target: Target, options: TrainOptions, sequences, eval_sequenc
 
         sequences = data.token_sequences(target.tokenizer, options.max_tokens, options.seed)
         eval_sequences = data.heldout_sequences(target.tokenizer, options.eval_tokens)
+        prompts = data.generation_prompts(target.tokenizer, options.seed)
+        eval_prompts = data.heldout_prompts(target.tokenizer)
+    else:
+        prompts = [s[: max(1, len(s) // 2)] for s in sequences]
+        eval_prompts = [s[: max(1, len(s) // 2)] for s in eval_sequences]
     dtype = next(target.model.parameters()).dtype
     key = cache_key(target, options, sequences, eval_sequences, dtype)
 
@@ -470,13 +488,51 @@ def _prepare_data(target: Target, options: TrainOptions, sequences, eval_sequenc
     if seconds:
         log(f"hidden states: {train_tokens + eval_tokens} tokens in {seconds:.1f} s "
             f"({(train_tokens + eval_tokens) / seconds:.1f} tokens/s)")
-    return {"key": key, "tensors": tensors, "cache_seconds": seconds, "dtype": dtype,
-            "train_tokens": train_tokens, "eval_tokens": eval_tokens}
+    generated, generated_seconds, generated_key = _generated_data(target, options, prompts, eval_prompts, dtype,
+                                                                  out_dir, log)
+    return {"key": f"{key}-{generated_key}", "tensors": {**tensors, **generated}, "cache_seconds": seconds,
+            "generated_seconds": generated_seconds, "dtype": dtype, "train_tokens": train_tokens,
+            "eval_tokens": eval_tokens, "generated_tokens": len(generated["gen.tokens"]),
+            "generated_eval_tokens": len(generated["geneval.tokens"])}
+
+
+def _generated_data(target: Target, options: TrainOptions, prompts, eval_prompts, dtype, out_dir: Path,
+                    log: Log) -> tuple[dict, float, str]:
+    """The target's own continuations of the training prompts (`gen.*`) and of held-out
+    prompts (`geneval.*`), with their hidden states, cached like the text's."""
+    from specserve.heads.generated import generate_states
+    from specserve.loading import eos_ids
+
+    key = hashlib.sha256(json.dumps({
+        "target": target.fingerprint, "dtype": str(dtype), "max_new": options.generated_max_new,
+        "tokens": [options.generated_tokens, options.generated_eval_tokens],
+        "prompts": hashlib.sha256(json.dumps([list(map(int, p)) for p in prompts]).encode()).hexdigest(),
+        "eval": hashlib.sha256(json.dumps([list(map(int, p)) for p in eval_prompts]).encode()).hexdigest(),
+    }, sort_keys=True).encode()).hexdigest()[:20]
+    eos = eos_ids(target.model, target.tokenizer)
+
+    def build() -> dict[str, torch.Tensor]:
+        parts = {}
+        for name, part_prompts, budget in (("gen", prompts, options.generated_tokens),
+                                           ("geneval", eval_prompts, options.generated_eval_tokens)):
+            states = generate_states(target.model, part_prompts, max_new_tokens=options.generated_max_new,
+                                     max_tokens=budget, eos_token_ids=eos, progress=options.progress,
+                                     desc="held-out continuations" if name == "geneval" else "target continuations")
+            parts.update({f"{name}.{k}": v for k, v in states.items()})
+        return parts
+
+    tensors, seconds = load_or_build_cache(out_dir / CACHE_DIR / f"generated-{key}.safetensors", build, log)
+    if seconds:
+        count = len(tensors["gen.tokens"]) + len(tensors["geneval.tokens"])
+        log(f"target continuations: {count} tokens in {seconds:.1f} s ({count / seconds:.1f} tokens/s)")
+    return tensors, seconds, key
 
 
 def _build_heads(target: Target, options: TrainOptions, data: dict, device: str,
                  token_map: torch.Tensor | None) -> tuple[MedusaHeads, torch.Tensor]:
     """Fresh float32 heads (zero blocks) and the teacher's lm_head rows in the cache dtype."""
+    import torch
+
     from specserve.heads.medusa import MedusaConfig, MedusaHeads
 
     lm_head = target.model.lm_head.weight.detach()
@@ -484,7 +540,8 @@ def _build_heads(target: Target, options: TrainOptions, data: dict, device: str,
     head_vocab = min(options.head_vocab_size or default_head_vocab(vocab_size), vocab_size)
     if token_map is None:
         t = data["tensors"]
-        token_map = choose_token_map(t["train.tokens"], t["train.greedy"], vocab_size, head_vocab)
+        token_map = choose_token_map(torch.cat([t["train.tokens"], t["gen.tokens"]]),
+                                     torch.cat([t["train.greedy"], t["gen.greedy"]]), vocab_size, head_vocab)
     config = MedusaConfig(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=options.num_heads,
                           num_layers=options.num_layers, own_lm_head=options.own_lm_head,
                           head_vocab_size=len(token_map), target=target.name)
@@ -499,11 +556,20 @@ def _train(heads: MedusaHeads, teacher_weight: torch.Tensor, options: TrainOptio
     from tqdm import tqdm
 
     t = data["tensors"]
-    hidden = t["train.hidden"].to(device)
-    positions = usable_positions(t["train.offsets"], options.num_heads)
-    if len(positions) == 0:
+    hidden = torch.cat([t["train.hidden"], t["gen.hidden"].to(t["train.hidden"].dtype)]).to(device)
+    text_positions = usable_positions(t["train.offsets"], options.num_heads)
+    own_positions = usable_positions(t["gen.offsets"], options.num_heads) + len(t["train.hidden"])
+    if len(text_positions) + len(own_positions) == 0:
         raise SpecserveError(f"no training positions: every sequence is shorter than {options.num_heads + 1} tokens")
-    eval_args = (teacher_weight, t["eval.hidden"], t["eval.greedy"], t["eval.offsets"], device)
+    own_count = (options.batch_size if len(text_positions) == 0 else
+                 round(options.batch_size * options.generated_share) if len(own_positions) else 0)
+    draws = [(p, n) for p, n in ((text_positions, options.batch_size - own_count), (own_positions, own_count)) if n]
+    eval_sets = {"text": (t["eval.hidden"], t["eval.greedy"], t["eval.offsets"])}
+    if len(t["geneval.greedy"]):
+        eval_sets["own"] = (t["geneval.hidden"], t["geneval.greedy"], t["geneval.offsets"])
+
+    def evaluate() -> dict[str, list[float]]:
+        return {name: heldout_accuracy(heads, teacher_weight, *tensors, device) for name, tensors in eval_sets.items()}
 
     optimizer = torch.optim.AdamW(heads.trainable_parameters(), lr=options.lr, weight_decay=options.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(options.resolved_warmup(), options.steps))
@@ -519,7 +585,7 @@ def _train(heads: MedusaHeads, teacher_weight: torch.Tensor, options: TrainOptio
         step, seconds, losses = checkpoint["step"], checkpoint["train_seconds"], list(checkpoint["losses"])
         before = checkpoint["accuracy_before"]
     else:
-        before = heldout_accuracy(heads, *eval_args)
+        before = evaluate()
     log(f"held-out top-1 accuracy per head, untrained: {_fmt(before)}")
 
     def state() -> dict:
@@ -536,7 +602,7 @@ def _train(heads: MedusaHeads, teacher_weight: torch.Tensor, options: TrainOptio
     try:
         while step < end:
             started = time.perf_counter()
-            batch = positions[torch.randint(len(positions), (options.batch_size,), generator=sampler)]
+            batch = torch.cat([p[torch.randint(len(p), (n,), generator=sampler)] for p, n in draws])
             rows = gather_rows(hidden, batch.to(device), options.num_heads)
             loss, _, agree = distillation_loss(heads, rows, teacher_weight, options.loss_decay)
             optimizer.zero_grad(set_to_none=True)
@@ -561,7 +627,7 @@ def _train(heads: MedusaHeads, teacher_weight: torch.Tensor, options: TrainOptio
     if step < options.steps:
         return TrainResult(heads, out_dir, step, None)
 
-    after = heldout_accuracy(heads, *eval_args)
+    after = evaluate()
     log(f"held-out top-1 accuracy per head, trained:   {_fmt(after)}")
     heads.save(out_dir)
     report = _report(options, data, heads, target, device, step, seconds, losses, before, after)
@@ -582,16 +648,27 @@ def _report(options, data, heads, target, device, step, seconds, losses, before,
         "vocab_size": heads.config.vocab_size,
         "train_tokens": data["train_tokens"],
         "eval_tokens": data["eval_tokens"],
+        "generated_tokens": data["generated_tokens"],
+        "generated_eval_tokens": data["generated_eval_tokens"],
         "cache_seconds": round(data["cache_seconds"], 2),
         "cache_reused": data["cache_seconds"] == 0,
+        "generated_seconds": round(data["generated_seconds"], 2),
         "train_seconds": round(seconds, 2),
         "seconds_per_step": round(seconds / max(1, step), 4),
         "steps": step,
         "final_loss": round(sum(losses) / max(1, len(losses)), 4),  # mean of the last (up to) 20 steps
-        "heldout_accuracy_before": [round(a, 4) for a in before],
-        "heldout_accuracy_after": [round(a, 4) for a in after],
+        # top-1 per head on held-out human text ("text") and on the target's own continuations
+        # of held-out prompts ("own": what serving sees)
+        "heldout_accuracy_before": _rounded(before["text"]),
+        "heldout_accuracy_after": _rounded(after["text"]),
+        "heldout_own_accuracy_before": _rounded(before.get("own")),
+        "heldout_own_accuracy_after": _rounded(after.get("own")),
     }
 
 
-def _fmt(accuracies: Sequence[float]) -> str:
-    return " ".join(f"{a:.3f}" for a in accuracies)
+def _rounded(values: Sequence[float] | None) -> list[float] | None:
+    return None if values is None else [round(v, 4) for v in values]
+
+
+def _fmt(accuracies: dict[str, list[float]]) -> str:
+    return "; ".join(f"{name} " + " ".join(f"{a:.3f}" for a in values) for name, values in accuracies.items())

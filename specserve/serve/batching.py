@@ -25,6 +25,10 @@ class ContinuousBatcher:
         self._queue: list[tuple[object, asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
 
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
     async def submit(self, item):
         future = asyncio.get_running_loop().create_future()
         self._queue.append((item, future))

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 from specserve.protocol import (
-    ACCEPTANCES, DRAFT_POOL_PROPOSERS, HEAD_PROPOSERS, MAX_K, MAX_TREE_NODES, PROPOSERS, SHAPES, Speculation,
+    ACCEPTANCES, DRAFT_POOL_PROPOSERS, HEAD_PROPOSERS, MAX_K, MAX_TREE_NODES, POLICIES, PROPOSERS, SHAPES, Speculation,
     SpecserveError, TreeSpec, TypicalAcceptance, from_method,
 )
 
@@ -126,6 +126,9 @@ class SpeculationArgs(_Strict):
     acceptance: Literal[ACCEPTANCES] = Field("exact", description="exact (lossless) | typical (Medusa's "  # type: ignore[valid-type]
                                              "typical acceptance: LOSSY, opt-in)")
     typical: TypicalArgs = Field(default_factory=TypicalArgs)
+    policy: Literal[POLICIES] = Field("adaptive", description="adaptive (load-aware: each round drafts 0..k "  # type: ignore[valid-type]
+                                      "levels, whichever the measured acceptance and pool load say is fastest) "
+                                      "| fixed (k levels every round)")
     draft_min_confidence: float = Field(0.5, ge=0, le=1)
     draft_top_m: int = Field(256, ge=1)
     # A draft pool slower than this for a round is skipped: the round runs target-only.
@@ -148,7 +151,8 @@ class SpeculationArgs(_Strict):
 
     def spec(self) -> Speculation:
         return Speculation(proposer=self.proposer, shape=self.shape, k=self.k, tree=self.tree.spec(),
-                           acceptance=self.acceptance, typical=TypicalAcceptance(**self.typical.model_dump()))
+                           acceptance=self.acceptance, typical=TypicalAcceptance(**self.typical.model_dump()),
+                           policy=self.policy)
 
 
 class RouterArgs(_DeploymentArgs):

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specserve.protocol import ACCEPTANCES, MAX_K, PROPOSERS, SHAPES, SamplingParams, Speculation, TreeSpec
+from specserve.protocol import ACCEPTANCES, MAX_K, POLICIES, PROPOSERS, SHAPES, SamplingParams, Speculation, TreeSpec
 
 
 class TreeOverride(BaseModel):
@@ -47,13 +47,16 @@ class SpeculationOverride(BaseModel):
     tree: TreeOverride | None = None
     acceptance: Literal[ACCEPTANCES] | None = None  # type: ignore[valid-type]
     typical: TypicalOverride | None = None
+    policy: Literal[POLICIES] | None = Field(None, description="adaptive | fixed; an explicit proposer, "  # type: ignore[valid-type]
+                                             "shape, k or tree alone means fixed")
 
     def apply_to(self, spec: Speculation) -> Speculation:
         """The deployment's speculation with this request's settings; checks the ranges."""
         return spec.overridden(method=self.method, proposer=self.proposer, shape=self.shape, k=self.k,
                                tree=self.tree.apply_to(spec.tree) if self.tree is not None else None,
                                acceptance=self.acceptance,
-                               typical=self.typical.model_dump(exclude_none=True) if self.typical else None)
+                               typical=self.typical.model_dump(exclude_none=True) if self.typical else None,
+                               policy=self.policy)
 
 
 class StreamOptions(BaseModel):

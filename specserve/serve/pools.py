@@ -12,6 +12,7 @@ forward passes: continuous batching at round granularity.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -23,7 +24,7 @@ from typing import Any, Callable
 
 from ray import serve
 
-from specserve.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResult
+from specserve.protocol import PoolLoad, Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specserve.serve.batching import RUN_AGAIN, ContinuousBatcher
 
 logger = logging.getLogger("ray.serve")
@@ -97,6 +98,7 @@ class _Pool:
         self._batches = 0
         self._batched_calls = 0
         self._busy_s = 0.0
+        self._load = PoolLoad(0, 0.0, 0, 0.0, 0)  # the last pass's load signal
         # request id -> release time. A call still queued or in flight when its request was
         # released must not leave a cache behind: batches drop these entries after running.
         self._released: OrderedDict[str, float] = OrderedDict()
@@ -109,10 +111,15 @@ class _Pool:
         """The worker call a batch of this pool's requests goes through."""
         raise NotImplementedError
 
+    def _draft_tokens(self, request) -> int:
+        """Tokens a call adds to the passes beyond its uncached ones (draft nodes)."""
+        raise NotImplementedError
+
     def _run(self, fn, requests):
         with self._lock:
             started = time.perf_counter()
-            chunks = self._queue_prefill_chunks(requests)
+            passes_before = getattr(self.worker, "forward_passes", 0)
+            uncached, chunks = self._queue_prefill_chunks(requests)
             ready = [r for r, chunk in zip(requests, chunks) if chunk is None]
             out = iter(fn(ready) if ready else self.worker.run([]))  # run([]): the chunks alone
             out = [next(out) if chunk is None else RUN_AGAIN for chunk in chunks]
@@ -121,23 +128,30 @@ class _Pool:
             self._batches += 1
             self._batched_calls += len(requests)
             self._busy_s += seconds
+            passes = max(1, getattr(self.worker, "forward_passes", 1) - passes_before)
+            tokens = sum(n + self._draft_tokens(r) if chunk is None else chunk
+                         for r, n, chunk in zip(requests, uncached, chunks))
+            self._load = load = PoolLoad(batch_size=len(requests), batch_tokens=tokens / passes,
+                                         queued=self.batcher.queued, step_s=seconds / passes, passes=passes)
             for result in out:
                 if result is not RUN_AGAIN:
                     result.compute_s = seconds
+                    result.load = load
             for request in requests:
                 if request.request_id in self._released:
                     self.worker.release(request.request_id)
             return out
 
-    def _queue_prefill_chunks(self, requests) -> list[int | None]:
-        """Queue this pass's prompt chunks with the worker (see plan_prefill_chunks)."""
+    def _queue_prefill_chunks(self, requests) -> tuple[list[int], list[int | None]]:
+        """Queue this pass's prompt chunks with the worker (see plan_prefill_chunks). Returns
+        each call's uncached tokens and its plan."""
         worker = self.worker
         uncached = [worker.uncached_tokens(r.request_id, r.token_ids) for r in requests]
         chunks = plan_prefill_chunks(uncached, self.args["prefill_chunk_tokens"])
         for r, left, chunk in zip(requests, uncached, chunks):
             if chunk:
                 worker.queue_prefill(r.request_id, r.token_ids[: len(r.token_ids) - left + chunk])
-        return chunks
+        return uncached, chunks
 
     async def release(self, request_id: str) -> bool:
         return await asyncio.to_thread(self._locked_release, request_id)
@@ -152,11 +166,21 @@ class _Pool:
             return self.worker.release(request_id)
 
     async def stats(self) -> dict:
-        with self._lock:
-            stats = self.worker.cache_stats()
+        stats = await asyncio.to_thread(self._locked_cache_stats)  # never hold the event loop for a pass
         return {**stats, "batches": self._batches, "batched_calls": self._batched_calls,
-                "busy_s": round(self._busy_s, 3), "pid": os.getpid(),
+                "busy_s": round(self._busy_s, 3), "pid": os.getpid(), "load": dataclasses.asdict(self._load),
                 "replica": serve.get_replica_context().replica_id.unique_id}
+
+    def _locked_cache_stats(self) -> dict:
+        with self._lock:
+            return self.worker.cache_stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom metrics for Serve's autoscaler (an application-level policy reads them in
+        `ctx.aggregated_metrics`): the last pass's load and the calls waiting now."""
+        load = self._load
+        return {"batch_tokens": float(load.batch_tokens), "batch_size": float(load.batch_size),
+                "queued": float(self.batcher.queued), "step_s": float(load.step_s)}
 
     async def vocabulary_signature(self) -> str:
         return await asyncio.to_thread(vocabulary_signature, self.args["model"])
@@ -190,6 +214,9 @@ class DraftPool(_Pool):
     def _batch_fn(self):
         return self.proposer.propose
 
+    def _draft_tokens(self, request: ProposeRequest) -> int:
+        return request.k * (request.tree.width if request.tree is not None else 1)
+
     async def propose(self, request: ProposeRequest) -> Proposal:
         return await self.batcher.submit(request)
 
@@ -209,6 +236,9 @@ class _Verifying(_Pool):
 
     def _batch_fn(self):
         return self.verifier.verify
+
+    def _draft_tokens(self, request: VerifyRequest) -> int:
+        return len(request.draft)
 
     async def verify(self, request: VerifyRequest) -> VerifyResult:
         return await self.batcher.submit(request)

@@ -28,6 +28,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specserve.policy import LoadModel, SpeculationPolicy
 from specserve.protocol import (
     DRAFT_POOL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, VerifyRequest, VerifyResult,
 )
@@ -124,6 +125,9 @@ class Router:
         self._info: dict | None = None
         self._info_lock = asyncio.Lock()
         self._draft_down_until = 0.0
+        # Load-aware speculation: the policy, and the pools' load as their replies report it.
+        self.policy = SpeculationPolicy()
+        self.load = LoadModel()
         self._background: set[asyncio.Task] = set()  # asyncio keeps only weak references to tasks
 
     # ---- pool plumbing -------------------------------------------------------------------
@@ -191,6 +195,7 @@ class Router:
         try:
             while not state.finished:
                 started = time.perf_counter()
+                state.plan_round(self.policy, self.load)
                 if state.needs_proposer:  # a draft pool's round
                     proposal = await self._propose(state.propose_request())
                 else:  # co-located heads proposed it in the previous verify pass (or no speculation)
@@ -198,12 +203,21 @@ class Router:
                 verify = state.verify_request(proposal)
                 result = await self._verify(verify)
                 compute = result.compute_s + (proposal.compute_s if proposal is not None else 0.0)
-                state.stats.round_trip_overhead_s += max(0.0, time.perf_counter() - started - compute)
+                overhead = max(0.0, time.perf_counter() - started - compute)
+                state.stats.round_trip_overhead_s += overhead
+                self._observe_load(result, proposal, overhead)
                 emitted = state.commit(result, verify.draft)
                 state.finish_at_stop_string(self.codec.decode)
                 yield emitted
         finally:
             self._release(state)
+
+    def _observe_load(self, result: VerifyResult, proposal: Proposal | None, overhead_s: float) -> None:
+        if result.load is not None:
+            self.load.observe_target(result.load.batch_size, result.load.batch_tokens, result.load.step_s)
+        if proposal is not None and proposal.load is not None:
+            self.load.observe_draft(proposal.load.batch_tokens, proposal.load.step_s)
+        self.load.observe_overhead(overhead_s)
 
     # ---- requests ----------------------------------------------------------------------
 

@@ -1,0 +1,235 @@
+"""Load-aware speculation: how much to draft this round, or whether to draft at all.
+
+Speculation trades compute for fewer sequential target steps. At low load a target step costs
+about the same for 1 token as for 5, so drafting k tokens is nearly free; when the pool is
+saturated every drafted token is paid in full, and verifying drafts that get rejected slows
+everyone down. The policy decides per request per round, from measurements only:
+
+- the request's acceptance: per draft position d, the probability that the token at depth d is
+  accepted given that the one above it was (an EMA over the request's rounds, starting from the
+  deployment-wide EMA);
+- step-time models of both pools, seconds = fixed + per_token * batch_tokens, fitted online
+  (least squares with forgetting) from the load signals every pool reply carries;
+- the target pool's current batch: requests per pass.
+
+For each depth k (a chain's length, a tree's depth cap, 0 = off) it predicts the system's
+goodput if every request in the batch did the same:
+
+    goodput(k) = E[tokens | k] / round_seconds(k)
+    E[tokens | k] = 1 + sum_{j<=k} prod_{d<=j} accept_d       (Leviathan et al. 2023, per position)
+    round_seconds(k) = overhead + k * draft_step(B * width) + target_step(B * (1 + nodes(k)))
+
+and picks the best, with hysteresis: it changes k only for a gain of more than `hysteresis`
+over the current choice, and never keeps a k > 0 that its own model says loses to k = 0.
+Pure and torch-free: the router and the library decoder feed it.
+
+    >>> policy = SpeculationPolicy(PolicyConfig())
+    >>> load = LoadModel()
+    >>> for tokens, seconds in [(1, 0.080), (5, 0.082), (64, 0.29), (256, 0.95)]:
+    ...     load.target.observe(tokens, seconds)
+    >>> acceptance = AcceptanceTracker([0.8] * 8, rounds=5)  # measured: 80% per position
+    >>> policy.choose(acceptance, load, current=4, max_k=8, batch=1, draft_cost="co_located").k > 0
+    True
+    >>> policy.choose(acceptance, load, current=4, max_k=8, batch=256, draft_cost="co_located").k
+    0
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+DRAFT_COSTS = ("pool", "co_located", "free")  # a draft model pool / heads in the target pass / nothing
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    hysteresis: float = 0.05  # change k only for more than this relative goodput gain
+    acceptance_ema: float = 0.3  # weight of a new round in a request's acceptance EMA
+    prior_acceptance: float = 0.6  # per-position acceptance before anything is measured
+    warmup_rounds: int = 2  # speculative rounds a request runs as configured before the policy decides
+    prior_tokens_per_step: float = 32.0  # the knee (fixed / per_token) assumed until batches of several sizes are seen
+    head_cost: float = 0.02  # co-located heads: their share of a target step
+
+
+@dataclass
+class StepTimeModel:
+    """seconds ≈ fixed + per_token * tokens, fitted by weighted least squares with exponential
+    forgetting. Until the observations spread over several batch sizes, the slope leans on a
+    prior knee (fixed / per_token = `prior_tokens`), so a single batch size still gives a sane
+    model."""
+
+    forget: float = 0.98  # each observation's weight shrinks by this per newer observation
+    prior_tokens: float = 32.0
+    _w: float = 0.0
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        if seconds <= 0 or tokens <= 0 or not math.isfinite(seconds):
+            return
+        f = self.forget
+        self._w = f * self._w + 1.0
+        self._x = f * self._x + tokens
+        self._y = f * self._y + seconds
+        self._xx = f * self._xx + tokens * tokens
+        self._xy = f * self._xy + tokens * seconds
+
+    @property
+    def observed(self) -> bool:
+        return self._w > 0
+
+    def coefficients(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per token)."""
+        if not self.observed:
+            return 0.0, 0.0
+        w = self._w
+        mean_x, mean_y = self._x / w, self._y / w
+        prior_slope = mean_y / (self.prior_tokens + mean_x)  # the mean point on a line with the prior knee
+        ridge = w * self.prior_tokens ** 2  # pulls the slope to the prior while x barely varies
+        sxx = self._xx - self._x * mean_x
+        sxy = self._xy - self._x * mean_y
+        slope = max(0.0, (sxy + ridge * prior_slope) / (sxx + ridge))
+        fixed = max(0.0, mean_y - slope * mean_x)
+        return fixed, slope
+
+    def predict(self, tokens: float) -> float:
+        fixed, slope = self.coefficients()
+        return fixed + slope * tokens
+
+
+@dataclass
+class LoadModel:
+    """What the pools' load signals say: step-time models and the target's batch (EMA)."""
+
+    target: StepTimeModel = field(default_factory=StepTimeModel)
+    draft: StepTimeModel = field(default_factory=StepTimeModel)
+    batch_ema: float = 1.0  # requests per target pass
+    overhead_s: float = 0.0  # per round, outside the pools' compute (RPCs, queueing)
+    smoothing: float = 0.2
+
+    def observe_target(self, batch_size: int, batch_tokens: int, step_s: float) -> None:
+        self.target.observe(batch_tokens, step_s)
+        self.batch_ema += self.smoothing * (max(1, batch_size) - self.batch_ema)
+
+    def observe_draft(self, batch_tokens: int, step_s: float) -> None:
+        self.draft.observe(batch_tokens, step_s)
+
+    def observe_overhead(self, seconds: float) -> None:
+        self.overhead_s += self.smoothing * (max(0.0, seconds) - self.overhead_s)
+
+
+@dataclass
+class AcceptanceTracker:
+    """A request's drafts, measured: per draft position d (0-based) the EMA of P(token at depth
+    d+1 accepted | depth d was), and the EMA of drafted nodes per level (1 for chains)."""
+
+    rates: list[float]
+    prior: float = 0.6
+    weight: float = 0.3  # a new round's weight in the EMAs
+    rounds: int = 0  # speculative rounds observed
+    nodes_per_level: float = 1.0
+    # The deployment-wide tracker this one was copied from: it learns from every request's rounds.
+    shared: AcceptanceTracker | None = field(default=None, repr=False)
+
+    @classmethod
+    def with_prior(cls, config: PolicyConfig, positions: int) -> AcceptanceTracker:
+        return cls([config.prior_acceptance] * positions, config.prior_acceptance, config.acceptance_ema)
+
+    def observe(self, drafted_depth: int, accepted: int, nodes: int | None = None) -> None:
+        """A round drafted `drafted_depth` levels (`nodes` nodes; default a chain) and
+        `accepted` of them were accepted: positions 0..accepted-1 succeeded, position
+        `accepted` (if drafted) failed, deeper ones were not reached."""
+        if drafted_depth <= 0:
+            return
+        if self.shared is not None:
+            self.shared.observe(drafted_depth, accepted, nodes)
+        self.rounds += 1
+        for d in range(min(drafted_depth, accepted + 1)):
+            while d >= len(self.rates):
+                self.rates.append(self.prior)
+            hit = 1.0 if d < accepted else 0.0
+            self.rates[d] += self.weight * (hit - self.rates[d])
+        per_level = (nodes if nodes is not None else drafted_depth) / drafted_depth
+        self.nodes_per_level += self.weight * (per_level - self.nodes_per_level)
+
+    def relax(self) -> None:
+        """A round without speculation: drift back toward the prior (a tenth of a round's
+        weight), so a request that stopped speculating because its drafts failed tries again
+        some time later."""
+        self.rates = [r + self.weight / 10 * (self.prior - r) for r in self.rates]
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a round with k drafted positions emits on average, the target's own included."""
+        total, run = 1.0, 1.0
+        for d in range(k):
+            run *= self.rates[d] if d < len(self.rates) else self.prior
+            total += run
+        return total
+
+
+@dataclass(frozen=True)
+class Decision:
+    k: int
+    goodput: dict[int, float]  # tokens per second per candidate k (the model's view)
+    reason: str  # "warmup" | "model" | "hold"
+
+
+class SpeculationPolicy:
+    """The decisions, and the deployment-wide acceptance per kind of speculation that new
+    requests start from (one policy per router replica or library decoder)."""
+
+    def __init__(self, config: PolicyConfig | None = None):
+        self.config = config or PolicyConfig()
+        self._shared: dict[str, AcceptanceTracker] = {}
+
+    def tracker(self, kind: str, positions: int) -> AcceptanceTracker:
+        """A new request's acceptance tracker: a copy of what this kind of speculation
+        (e.g. "draft/chain") measured so far, which it keeps teaching."""
+        shared = self._shared.setdefault(kind, AcceptanceTracker.with_prior(self.config, positions))
+        return replace(shared, rates=list(shared.rates), shared=shared)
+
+    def round_seconds(self, k: int, load: LoadModel, batch: float, *, nodes: float, width: float,
+                      draft_cost: str) -> float:
+        """Predicted wall time of a round in which every one of `batch` requests drafts `k`
+        levels holding `nodes` nodes in all (`width` per level on average)."""
+        verify = load.target.predict(batch * (1.0 + nodes))
+        if k == 0:
+            return load.overhead_s + verify
+        if draft_cost == "pool":
+            draft = k * load.draft.predict(batch * width) if load.draft.observed else 0.0
+        elif draft_cost == "co_located":
+            draft = self.config.head_cost * load.target.predict(batch)
+        else:
+            draft = 0.0
+        return load.overhead_s + draft + verify
+
+    def choose(self, acceptance: AcceptanceTracker, load: LoadModel, *, current: int, max_k: int,
+               batch: float | None = None, draft_cost: str = "pool") -> Decision:
+        """The depth for this round: 0..max_k (`batch`: requests per target pass, default the
+        load model's EMA)."""
+        if draft_cost not in DRAFT_COSTS:
+            raise ValueError(f"draft_cost must be one of {DRAFT_COSTS}, got {draft_cost!r}")
+        if max_k <= 0:
+            return Decision(0, {}, "model")
+        if acceptance.rounds < self.config.warmup_rounds or not load.target.observed:
+            return Decision(max_k, {}, "warmup")
+        batch = load.batch_ema if batch is None else batch
+        goodput = {}
+        for k in range(max_k + 1):
+            width = acceptance.nodes_per_level
+            seconds = self.round_seconds(k, load, batch, nodes=k * width, width=width, draft_cost=draft_cost)
+            goodput[k] = acceptance.expected_tokens(k) / seconds if seconds > 0 else 0.0
+        return Decision(self._pick(goodput, min(current, max_k)), goodput, "model")
+
+    def _pick(self, goodput: dict[int, float], current: int) -> int:
+        """The best k, unless the current one is within the hysteresis band of it; a k that
+        loses to k = 0 is never kept."""
+        off = goodput[0]
+        allowed = {k: g for k, g in goodput.items() if k == 0 or g > off}
+        best = max(allowed, key=lambda k: (allowed[k], -k))  # ties: the smaller k
+        if current in allowed and allowed[best] <= allowed[current] * (1 + self.config.hysteresis):
+            return current
+        return best

@@ -1,0 +1,174 @@
+"""The load-aware speculation policy (specserve.policy): pure, on traces of load and acceptance.
+
+The traces follow what the pools report on this machine's default pair (a target step of
+~75 ms plus ~3.4 ms per batch token, a draft step of ~24 ms plus ~0.7 ms per token), with
+seeded noise.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specserve.policy import AcceptanceTracker, LoadModel, PolicyConfig, SpeculationPolicy, StepTimeModel
+from specserve.protocol import SamplingParams, Speculation, TokenTree, VerifyResult
+from specserve.request_state import RequestState
+
+TARGET = (0.075, 0.0034)  # fixed s, s per token
+DRAFT = (0.024, 0.0007)
+
+
+def step(line: tuple[float, float], tokens: float, rng: random.Random, noise: float = 0.1) -> float:
+    return (line[0] + line[1] * tokens) * (1 + rng.uniform(-noise, noise))
+
+
+def loaded_model(rng: random.Random, batches=(1, 2, 4, 8)) -> LoadModel:
+    """A load model that has seen target passes of several sizes and some draft steps."""
+    load = LoadModel()
+    for _ in range(20):
+        for b in batches:
+            load.observe_target(b, b * 5, step(TARGET, b * 5, rng))
+            load.observe_draft(b, step(DRAFT, b, rng))
+        load.observe_target(1, 256, step(TARGET, 256, rng))  # a prefill chunk
+    return load
+
+
+def measured(rate: float, positions: int = 8) -> AcceptanceTracker:
+    return AcceptanceTracker([rate] * positions, prior=rate, rounds=10)
+
+
+def test_step_model_recovers_the_line_from_noisy_passes():
+    rng = random.Random(0)
+    model = StepTimeModel()
+    for _ in range(300):
+        tokens = rng.choice([1, 3, 5, 17, 40, 256])
+        model.observe(tokens, step(TARGET, tokens, rng, noise=0.05))
+    fixed, per_token = model.coefficients()
+    assert fixed == pytest.approx(TARGET[0], rel=0.15)
+    assert per_token == pytest.approx(TARGET[1], rel=0.15)
+
+
+def test_step_model_with_one_batch_size_leans_on_the_prior_knee():
+    model = StepTimeModel(prior_tokens=32)
+    for _ in range(50):
+        model.observe(1, 0.08)
+    fixed, per_token = model.coefficients()
+    assert model.predict(1) == pytest.approx(0.08, rel=0.01)  # what it saw
+    assert fixed / per_token == pytest.approx(33, rel=0.1)  # the knee it assumed
+    assert not StepTimeModel().observed and StepTimeModel().predict(10) == 0.0
+
+
+def test_acceptance_counts_positions_until_the_first_rejection():
+    tracker = AcceptanceTracker([0.5] * 4, prior=0.5, weight=0.5)
+    tracker.observe(4, 2)  # positions 0, 1 accepted, 2 rejected, 3 unseen
+    assert tracker.rates == [0.75, 0.75, 0.25, 0.5]
+    tracker.observe(4, 4)
+    assert tracker.rates == [0.875, 0.875, 0.625, 0.75]
+    assert tracker.expected_tokens(0) == 1.0
+    assert tracker.expected_tokens(2) == pytest.approx(1 + 0.875 + 0.875 ** 2)
+
+
+def test_new_requests_start_from_what_the_deployment_measured():
+    policy = SpeculationPolicy()
+    first = policy.tracker("draft/chain", 4)
+    for _ in range(20):
+        first.observe(4, 4)
+    second = policy.tracker("draft/chain", 4)
+    assert second.rates[0] > 0.95 and second.rounds == 20
+    assert policy.tracker("medusa/tree", 4).rates[0] == PolicyConfig().prior_acceptance  # another kind
+
+
+@pytest.mark.parametrize("draft_cost", ["pool", "co_located"])
+def test_k_falls_to_zero_as_load_rises_and_comes_back_when_it_falls(draft_cost):
+    rng = random.Random(1)
+    load = loaded_model(rng)
+    policy, acceptance = SpeculationPolicy(), measured(0.75)
+    batches = [1] * 20 + [2, 4, 8, 16, 32, 64, 128] + [256] * 20 + [64, 16, 4] + [1] * 20
+    ks, k = [], 4
+    for batch in batches:
+        k = policy.choose(acceptance, load, current=k, max_k=8, batch=batch, draft_cost=draft_cost).k
+        ks.append(k)
+    assert all(k > 0 for k in ks[:20]), ks
+    assert all(k == 0 for k in ks[27:47]), ks  # saturated: off
+    assert all(k > 0 for k in ks[-20:]), ks  # recovered
+    assert ks[20:27] == sorted(ks[20:27], reverse=True)  # down monotonically with the load
+
+
+def test_it_does_not_flap_on_a_noisy_trace_at_the_threshold():
+    """The batch hovers around the size where speculation stops paying (about 18 requests
+    here) and step times are noisy. Deciding on the raw batch without hysteresis flips the
+    decision again and again; the policy as configured (batch EMA, hysteresis) a few times."""
+    def switches(hysteresis: float, smoothed: bool) -> int:
+        rng = random.Random(2)
+        load = loaded_model(rng)
+        policy, acceptance = SpeculationPolicy(PolicyConfig(hysteresis=hysteresis)), measured(0.7)
+        k, changes = 4, 0
+        for _ in range(400):
+            batch = rng.choice([12, 14, 16, 18, 20, 22, 24])
+            load.observe_target(batch, batch * (1 + k), step(TARGET, batch * (1 + k), rng, noise=0.2))
+            new = policy.choose(acceptance, load, current=k, max_k=8,
+                                batch=load.batch_ema if smoothed else batch).k
+            changes += new != k
+            k = new
+        return changes
+
+    assert switches(0.0, smoothed=False) >= 20
+    assert switches(PolicyConfig().hysteresis, smoothed=True) <= 3
+
+
+def test_it_never_speculates_where_its_own_model_says_speculation_loses():
+    rng = random.Random(3)
+    policy = SpeculationPolicy()
+    for _ in range(500):
+        load = loaded_model(rng, batches=(1, rng.choice([2, 8, 32])))
+        acceptance = measured(rng.uniform(0.05, 0.95))
+        current = rng.randrange(9)
+        decision = policy.choose(acceptance, load, current=current, max_k=8, batch=rng.choice([1, 4, 16, 64, 256]),
+                                 draft_cost=rng.choice(["pool", "co_located"]))
+        assert decision.k == 0 or decision.goodput[decision.k] > decision.goodput[0]
+
+
+def test_low_acceptance_turns_speculation_off_even_when_idle():
+    load = loaded_model(random.Random(4))
+    decision = SpeculationPolicy().choose(measured(0.05), load, current=4, max_k=8, batch=1)
+    assert decision.k == 0
+
+
+def test_a_new_request_warms_up_at_its_configured_depth():
+    policy, load = SpeculationPolicy(), loaded_model(random.Random(5))
+    decision = policy.choose(policy.tracker("draft/chain", 8), load, current=8, max_k=8, batch=256)
+    assert (decision.k, decision.reason) == (8, "warmup")
+
+
+def _state(spec: Speculation) -> RequestState:
+    return RequestState("r", [1, 2, 3], SamplingParams(max_tokens=100), spec)
+
+
+def test_an_explicit_setting_wins_over_the_policy():
+    adaptive = Speculation(proposer="draft", k=6, policy="adaptive")
+    explicit = adaptive.overridden(k=3)  # a request's {"k": 3}
+    assert explicit.policy == "fixed"
+    assert adaptive.overridden(k=3, policy="adaptive").policy == "adaptive"
+    assert adaptive.overridden(acceptance="exact").policy == "adaptive"  # not a depth setting
+    policy, load = SpeculationPolicy(), loaded_model(random.Random(6))
+    state = _state(explicit)
+    state.output_ids = [7]
+    assert state.plan_round(policy, load, batch=512) is None and state.round_k() == 3
+
+
+def test_request_state_follows_the_policy_and_records_its_decisions():
+    policy, load = SpeculationPolicy(PolicyConfig(warmup_rounds=0)), loaded_model(random.Random(7))
+    state = _state(Speculation(proposer="draft", k=4, policy="adaptive"))
+    state.output_ids = [7]
+    state.acceptance = measured(0.8)
+    state.plan_round(policy, load, batch=1)
+    assert state.round_k() > 0
+    state.commit(VerifyResult("r", 2, [5, 6, 8]), TokenTree.chain([5, 6, 9, 9][: state.round_k()]))
+    state.plan_round(policy, load, batch=1024)
+    assert state.round_k() == 0
+    state.commit(VerifyResult("r", 0, [4]), TokenTree())
+    usage = state.usage_stats()
+    assert usage["speculation_off_share"] == 0.5
+    assert sum(usage["k_histogram"].values()) == 2 and usage["k_histogram"]["0"] == 1
+    assert usage["policy"] == "adaptive"
