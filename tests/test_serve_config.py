@@ -72,8 +72,8 @@ def test_speculation_args_separate_proposer_and_shape():
     from specserve.serve.config import SpeculationArgs
     from specserve.serve.openai_api import SpeculationOverride
 
-    assert SpeculationArgs().spec() == Speculation(proposer="draft", shape="chain", k=4)
-    assert SpeculationArgs(method="tree").spec() == Speculation(proposer="draft", shape="tree")  # older spelling
+    assert SpeculationArgs().spec() == Speculation(proposer="draft", shape="chain", k=4, policy="adaptive")
+    assert SpeculationArgs(method="tree").spec() == Speculation(proposer="draft", shape="tree", policy="adaptive")  # older spelling
     assert SpeculationArgs(method="none").spec().proposer == "none"
     with pytest.raises(ValidationError, match="not both"):
         SpeculationArgs(method="tree", proposer="draft")
