@@ -73,7 +73,8 @@ def test_speculation_args_separate_proposer_and_shape():
     from specserve.serve.openai_api import SpeculationOverride
 
     assert SpeculationArgs().spec() == Speculation(proposer="draft", shape="chain", k=4, policy="adaptive")
-    assert SpeculationArgs(method="tree").spec() == Speculation(proposer="draft", shape="tree", policy="adaptive")  # older spelling
+    # the older spelling
+    assert SpeculationArgs(method="tree").spec() == Speculation(proposer="draft", shape="tree", policy="adaptive")
     assert SpeculationArgs(method="none").spec().proposer == "none"
     with pytest.raises(ValidationError, match="not both"):
         SpeculationArgs(method="tree", proposer="draft")
@@ -86,7 +87,9 @@ def test_speculation_args_separate_proposer_and_shape():
     got = override.apply_to(base)
     assert (got.proposer, got.shape, got.k, got.acceptance, got.typical.posterior_alpha) == ("medusa", "chain", 2,
                                                                                           "typical", 0.5)
-    assert SpeculationOverride(method="tree").apply_to(base) == replace(base, proposer="draft", shape="tree")
+    # an explicit proposer/shape wins over the load-aware policy
+    assert SpeculationOverride(method="tree").apply_to(base) == replace(base, proposer="draft", shape="tree",
+                                                                        policy="fixed")
     assert SpeculationOverride(tree={"depth": 3}).apply_to(base).tree == TreeSpec(depth=3)
     with pytest.raises(SpecserveError, match="not both"):
         SpeculationOverride(method="none", proposer="medusa").apply_to(base)
