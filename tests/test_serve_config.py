@@ -30,6 +30,21 @@ def test_every_manifest_validates_with_ray_and_specserve(path):
         AppArgs.model_validate(app.args)
 
 
+@pytest.mark.parametrize("name", ["local.yaml", "llama70b.yaml"])
+def test_manifests_scale_their_pools_with_specserves_policy(name):
+    import importlib
+
+    config = yaml.safe_load((MANIFESTS[0].parent / name).read_text())
+    [app] = ServeDeploySchema.model_validate(config).applications
+    policy = app.autoscaling_policy
+    module, function = policy["policy_function"].split(":")
+    autoscaler = getattr(importlib.import_module(module), function)(**policy.get("policy_kwargs", {}))
+    assert autoscaler.target_tokens_per_replica > 0
+    for pool in ("target", "draft"):  # the policy scales only deployments with an autoscaling_config
+        assert app.args[pool]["autoscaling_config"]["max_replicas"] >= 1
+    assert app.args["speculation"]["policy"] == "adaptive"
+
+
 def test_ray_schema_and_args_reject_broken_manifests():
     config = yaml.safe_load(next(m for m in MANIFESTS if m.name == "local.yaml").read_text())
     broken = {**config, "applications": [{**config["applications"][0], "import_path": "specserve-serve-build-app"}]}
@@ -53,7 +68,7 @@ def test_ray_schema_and_args_reject_broken_manifests():
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
         AppArgs.model_validate({**args, "speculation": {"tree": {"budget": 0}}})
     with pytest.raises(ValidationError, match="not both"):
-        AppArgs.model_validate({**args, "target": {**args["target"], "autoscaling_config": {"max_replicas": 2}}})
+        AppArgs.model_validate({**args, "target": {**args["target"], "num_replicas": 2}})
 
 
 def test_kv_cache_is_a_memory_budget():

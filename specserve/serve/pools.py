@@ -30,6 +30,7 @@ from specserve.serve.batching import RUN_AGAIN, ContinuousBatcher
 logger = logging.getLogger("ray.serve")
 PROBE_ID = "__specserve_health_probe__"
 RELEASE_MEMORY_S = 300.0  # how long a released request id is remembered
+DRAFT_SHARE_EMA = 0.1  # weight of a pass in the share of calls that carry drafts
 ALWAYS_READY_TOKENS = 32  # a call with this few uncached tokens (a decode round) never waits for prefill
 
 
@@ -99,6 +100,8 @@ class _Pool:
         self._batched_calls = 0
         self._busy_s = 0.0
         self._load = PoolLoad(0, 0.0, 0, 0.0, 0)  # the last pass's load signal
+        self._requests = 0  # requests holding a cache here after the last pass
+        self._draft_share = 0.0  # EMA: share of calls that carried draft tokens
         # request id -> release time. A call still queued or in flight when its request was
         # released must not leave a cache behind: batches drop these entries after running.
         self._released: OrderedDict[str, float] = OrderedDict()
@@ -133,6 +136,8 @@ class _Pool:
                          for r, n, chunk in zip(requests, uncached, chunks))
             self._load = load = PoolLoad(batch_size=len(requests), batch_tokens=tokens / passes,
                                          queued=self.batcher.queued, step_s=seconds / passes, passes=passes)
+            drafted = sum(1 for r in requests if self._draft_tokens(r)) / len(requests)
+            self._draft_share += DRAFT_SHARE_EMA * (drafted - self._draft_share)
             for result in out:
                 if result is not RUN_AGAIN:
                     result.compute_s = seconds
@@ -140,6 +145,7 @@ class _Pool:
             for request in requests:
                 if request.request_id in self._released:
                     self.worker.release(request.request_id)
+            self._requests = self.worker.cache_stats()["requests"]
             return out
 
     def _queue_prefill_chunks(self, requests) -> tuple[list[int], list[int | None]]:
@@ -176,11 +182,13 @@ class _Pool:
             return self.worker.cache_stats()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """Custom metrics for Serve's autoscaler (an application-level policy reads them in
-        `ctx.aggregated_metrics`): the last pass's load and the calls waiting now."""
+        """Custom metrics for Serve's autoscaler (specserve.serve.autoscaling reads them in
+        `ctx.aggregated_metrics`): the last pass's load, the calls waiting now, the requests
+        holding a cache here and the share of calls that carry drafts."""
         load = self._load
         return {"batch_tokens": float(load.batch_tokens), "batch_size": float(load.batch_size),
-                "queued": float(self.batcher.queued), "step_s": float(load.step_s)}
+                "queued": float(self.batcher.queued), "step_s": float(load.step_s),
+                "requests": float(self._requests), "draft_share": float(self._draft_share)}
 
     async def vocabulary_signature(self) -> str:
         return await asyncio.to_thread(vocabulary_signature, self.args["model"])
