@@ -8,7 +8,7 @@ DEFAULT_MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # Ray 2.60 turns token auth on by default; a local single-user cluster does not need it.
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup models heads serve generate test test-fast bench bench-vllm bench-batch bench-medusa bench-http bench-quick bench-full vllm-env clean
+.PHONY: setup models heads serve generate test test-fast bench bench-vllm bench-batch bench-medusa bench-http bench-adaptive bench-quick bench-full vllm-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -76,6 +76,10 @@ bench-medusa: models
 # Service mode: `serve run manifests/local.yaml`, HTTP at 1 and 4 streams, speculation off and on.
 bench-http: models
 	$(VENV)/bin/specserve bench --preset http
+
+# Load-aware speculation: off / always on / adaptive at 1-16 streams, code and chat (about an hour).
+bench-adaptive: models
+	$(VENV)/bin/specserve bench --preset adaptive --out bench-results/adaptive
 
 # Smoke run of everything: 1 prompt, 8 tokens, one pass, vLLM eager only (a few minutes).
 bench-quick: models

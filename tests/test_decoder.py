@@ -269,3 +269,71 @@ def test_same_seed_same_tree_output(qwen_pair):
     runs = [decoder.generate(PROMPTS, SamplingParams(temperature=0.8, max_tokens=20, seed=s)) for s in (3, 3, 4)]
     ids = [[o.token_ids for o in run] for run in runs]
     assert ids[0] == ids[1] and ids[0] != ids[2]
+
+
+# ---- the load-aware policy: k varies from round to round --------------------------------
+
+
+class RandomDepthPolicy:
+    """A policy that drafts a random depth (0..k) every round: exactness must not depend on it."""
+
+    def __init__(self, seed: int):
+        import random
+
+        from specserve.policy import SpeculationPolicy
+
+        self._base = SpeculationPolicy()
+        self.config = self._base.config
+        self.rng = random.Random(seed)
+        self.chosen: list[int] = []
+
+    def tracker(self, kind, positions):
+        return self._base.tracker(kind, positions)
+
+    def choose(self, acceptance, load, *, current, max_k, batch=None, draft_cost="pool"):
+        from specserve.policy import Decision
+
+        self.chosen.append(self.rng.randint(0, max_k))
+        return Decision(self.chosen[-1], {}, "random")
+
+
+@pytest.mark.parametrize("method", ["draft", "tree"])
+def test_greedy_output_is_exact_when_k_varies_every_round(qwen_pair, method):
+    target, draft = qwen_pair
+    decoder = make_decoder(target, draft, k=4, method=method)
+    decoder.policy = RandomDepthPolicy(seed=1)
+    outs = decoder.generate(PROMPTS, SamplingParams(max_tokens=40), policy="adaptive")
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(target, prompt, 40)
+    assert {0, 1, 2, 3, 4} <= set(decoder.policy.chosen)  # a tree goes deeper than k
+    histogram = decoder.last_report.stats.k_histogram  # depths drafted (a draft may stop short)
+    assert histogram[0] > 0 and sum(histogram[1:]) > 0, histogram
+    assert outs[0].speculation["policy"] == "adaptive"
+
+
+def test_sampled_output_follows_the_target_distribution_when_k_varies():
+    params = SamplingParams(temperature=1.0, max_tokens=2)
+    target = tiny_model("qwen2", seed=5, vocab_size=SMALL_VOCAB)
+    draft = perturbed(target, scale=0.5, seed=9)
+    prompt = [1, 2, 3]
+    exact = exact_two_token_distribution(target, prompt, params)
+    decoder = make_decoder(target, draft, k=2, top_m=64)
+    decoder.policy = RandomDepthPolicy(seed=2)
+    decoder.speculation = replace(decoder.speculation, policy="adaptive")
+    errors = [tv(empirical_two_token_distribution(decoder, prompt, params, n, seed_base=n), exact)
+              for n in (500, 8000)]
+    assert errors[1] < errors[0]
+    assert errors[1] < 0.05
+    histogram = decoder.last_report.stats.k_histogram
+    assert histogram[0] > 0 and histogram[1] > 0  # rounds with and without a draft
+
+
+def test_adaptive_library_decoding_measures_the_passes_and_stays_exact(qwen_pair):
+    """The real policy in the library: it sees the decoder's own passes and chooses."""
+    target, draft = qwen_pair
+    decoder = make_decoder(target, draft, k=4)
+    outs = decoder.generate(PROMPTS, SamplingParams(max_tokens=32), policy="adaptive")
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(target, prompt, 32)
+    assert decoder.load.target.observed and decoder.load.draft.observed
+    assert sum(decoder.last_report.stats.k_histogram) == decoder.last_report.stats.target_steps

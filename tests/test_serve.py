@@ -46,7 +46,10 @@ def app(cluster, reference, tmp_path_factory):
         "model_name": "smol",
         "target": {"model": SMOL, "num_replicas": 2, **pool},
         "draft": {"model": str(draft_dir), "num_replicas": 1, **pool},
-        "speculation": {"k": 3, "draft_min_confidence": 0.0, "draft_timeout_s": 3, "draft_retry_after_s": 0.5},
+        # fixed: these tests need every round to draft (failover, batching); test_serve_medusa
+        # covers the load-aware policy
+        "speculation": {"k": 3, "policy": "fixed", "draft_min_confidence": 0.0, "draft_timeout_s": 3,
+                        "draft_retry_after_s": 0.5},
         "router": {"max_ongoing_requests": 8, "max_queued_requests": 4, "target_retry_timeout_s": 60},
     }), name="specserve", route_prefix="/")
     return serve.get_deployment_handle("TargetPool", "specserve"), serve.get_deployment_handle("DraftPool", "specserve")

@@ -48,7 +48,8 @@ def test_medusa_completions_equal_the_target_alone_streamed_or_not(medusa_client
     tokenizer, _, greedy_text, _ = reference
     for prompt in PROMPTS[:2]:
         expected = greedy_text(tokenizer.encode(prompt), 40)
-        for speculation in ({}, {"shape": "chain", "k": 3}, {"tree": {"shape": [[0], [1], [0, 0], [1, 0]]}}):
+        for speculation in ({"policy": "fixed"}, {"shape": "chain", "k": 3},
+                            {"tree": {"shape": [[0], [1], [0, 0], [1, 0]]}}):
             r = medusa_client.completions.create(model="smol-medusa", prompt=prompt, max_tokens=40, temperature=0,
                                                  extra_body={"speculation": speculation})
             assert r.choices[0].text == expected
@@ -75,10 +76,36 @@ def test_a_co_located_round_is_one_forward_pass(medusa_app, medusa_client):
 
     assert wait_for(lambda: sum(s["requests"] for s in pool_stats(medusa_app).values()) == 0)
     before = passes()
-    r = medusa_client.completions.create(model="smol-medusa", prompt=PROMPTS[2], max_tokens=32, temperature=0)
+    r = medusa_client.completions.create(model="smol-medusa", prompt=PROMPTS[2], max_tokens=32, temperature=0,
+                                         extra_body={"speculation": {"policy": "fixed"}})
     spec = r.usage.model_extra["speculation"]
     assert passes() - before == spec["target_steps"]
     assert spec["target_steps"] < r.usage.completion_tokens  # fewer passes than tokens
+
+
+def test_a_burst_turns_speculation_off_and_it_comes_back(medusa_client, reference):
+    """The deployment's policy is adaptive: alone, a request speculates; in a burst of 12
+    concurrent requests the target's passes are full and the policy turns speculation off for
+    most rounds; alone again, speculation comes back. Outputs stay exact throughout."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tokenizer, _, greedy_text, _ = reference
+
+    def run(prompt: str) -> tuple[str, dict]:
+        r = medusa_client.completions.create(model="smol-medusa", prompt=prompt, max_tokens=48, temperature=0)
+        return r.choices[0].text, r.usage.model_extra["speculation"]
+
+    alone = [run(PROMPTS[0]) for _ in range(2)][-1]  # the second: the load model has seen the first
+    with ThreadPoolExecutor(12) as pool:  # the router takes 8 at once and queues 8
+        burst = list(pool.map(run, PROMPTS * 3))
+    again = [run(PROMPTS[0]) for _ in range(3)][-1]
+    expected = {p: greedy_text(tokenizer.encode(p), 48) for p in PROMPTS}
+    assert [text for text, _ in burst] == [expected[p] for p in PROMPTS * 3]
+    assert alone[0] == again[0] == expected[PROMPTS[0]]
+    off = [spec["speculation_off_share"] for _, spec in burst]
+    assert alone[1]["policy"] == "adaptive" and alone[1]["speculation_off_share"] < 0.3, alone[1]
+    assert sum(off) / len(off) > 0.5, off
+    assert again[1]["speculation_off_share"] < 0.3, again[1]
 
 
 def test_typical_acceptance_is_labelled_lossy_over_http(medusa_client):

@@ -56,6 +56,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "derive": {"from": "specserve medusa shape=tree budget=16 depth=4 width=4 min_score=0.05",
                    "budgets": [8, 16]},
     },
+    "adaptive": {
+        "help": "make bench-adaptive: service mode through manifests/local.yaml at 1, 2, 4, 8 and 16 streams on code "
+                "and chat: speculation always off, always on (draft chain k=4) and adaptive (the load-aware policy, "
+                "0..4 draft tokens per round)",
+        "modes": ["service"], "workloads": ["code", "chat"], "prompts": 8, "max_tokens": 96, "service_requests": 8,
+        "service_max_tokens": 96, "concurrency": [1, 2, 4, 8, 16], "manifest": "manifests/local.yaml",
+        "variants": [("none", {}), ("draft", {"k": K}), ("draft", {"k": K, "policy": "adaptive"})],
+    },
     "http": {
         "help": "make bench-http: service mode through `serve run manifests/local.yaml` (or --manifest, --url) and "
                 "HTTP at 1 and 4 streams, speculation off and the deployment's own",

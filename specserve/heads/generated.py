@@ -42,7 +42,7 @@ def generate_states(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
             if left <= 0:
                 break
             batch = [list(p) for p in prompts[start:start + batch_size]]
-            states = _continue_batch(worker, batch, start, min(max_new_tokens, left), eos, bar)
+            states = _continue_batch(worker, batch, start, max_new_tokens, left, eos, bar)
             for seq_tokens, seq_greedy, seq_hidden in states:
                 seq_tokens, seq_greedy, seq_hidden = (x[:left] for x in (seq_tokens, seq_greedy, seq_hidden))
                 left -= len(seq_greedy)
@@ -59,15 +59,17 @@ def generate_states(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
 
 
 def _continue_batch(worker: TorchWorker, prompts: list[list[int]], first_id: int, max_new_tokens: int,
-                    eos: frozenset[int], bar) -> list[tuple[list[int], list[int], list[torch.Tensor]]]:
-    """Decode every prompt of the batch together; per prompt (inputs, outputs, hidden rows)."""
+                    budget: int, eos: frozenset[int], bar) -> list[tuple[list[int], list[int], list[torch.Tensor]]]:
+    """Decode every prompt of the batch together, until each has `max_new_tokens` or an EOS,
+    or the batch has `budget` tokens in all; per prompt (inputs, outputs, hidden rows)."""
     ids = [f"gen-{first_id + i}" for i in range(len(prompts))]
     sequences = [list(p) for p in prompts]
     out: list[tuple[list[int], list[int], list[torch.Tensor]]] = [([], [], []) for _ in prompts]
     live = list(range(len(prompts)))
     try:
+        generated = 0
         for _ in range(max_new_tokens):
-            if not live:
+            if not live or generated >= budget:
                 break
             rows = worker.run([ForwardItem(ids[i], sequences[i]) for i in live])
             still = []
@@ -79,6 +81,7 @@ def _continue_batch(worker: TorchWorker, prompts: list[list[int]], first_id: int
                 states.append(r.hidden[0].cpu())
                 sequences[i].append(token)
                 bar.update(1)
+                generated += 1
                 if token not in eos:
                     still.append(i)
             live = still
