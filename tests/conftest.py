@@ -135,6 +135,8 @@ def cluster():
     import ray
     from ray import serve
 
+    # replicas push their autoscaling metrics every second (default 10 s): test_serve_autoscaling
+    os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     yield

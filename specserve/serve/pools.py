@@ -30,6 +30,7 @@ from specserve.serve.batching import RUN_AGAIN, ContinuousBatcher
 logger = logging.getLogger("ray.serve")
 PROBE_ID = "__specserve_health_probe__"
 RELEASE_MEMORY_S = 300.0  # how long a released request id is remembered
+IDLE_AFTER_S = 2.0  # a replica without a forward pass for this long reports no load to the autoscaler
 DRAFT_SHARE_EMA = 0.1  # weight of a pass in the share of calls that carry drafts
 ALWAYS_READY_TOKENS = 32  # a call with this few uncached tokens (a decode round) never waits for prefill
 
@@ -186,6 +187,8 @@ class _Pool:
         `ctx.aggregated_metrics`): the last pass's load, the calls waiting now, the requests
         holding a cache here and the share of calls that carry drafts."""
         load = self._load
+        if time.monotonic() - self._last_forward > IDLE_AFTER_S:  # no pass lately: nothing in flight
+            load = PoolLoad(0, 0.0, 0, load.step_s, 0)
         return {"batch_tokens": float(load.batch_tokens), "batch_size": float(load.batch_size),
                 "queued": float(self.batcher.queued), "step_s": float(load.step_s),
                 "requests": float(self._requests), "draft_share": float(self._draft_share)}
