@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specserve.serve.autoscaling import PoolAutoscaler, delayed, drafting_requests, target_demand
+from specserve.serve.autoscaling import PoolAutoscaler, drafting_requests, target_demand
 
 
 def context(name, *, replicas=1, metrics=None, requests=0.0, state=None, now=1000.0, up=10.0, down=60.0):
@@ -60,16 +60,11 @@ def test_a_pool_that_reported_nothing_keeps_its_size():
     assert scaler.wanted(contexts) == {"target": 2, "draft": 1}
 
 
-def test_new_sizes_wait_for_the_deployments_delays():
-    ctx = context("TargetPool", replicas=1, now=100.0, up=10.0)
-    assert delayed(ctx, 2, 100.0) == (1, {"direction": "up", "since": 100.0})
-    ctx.policy_state = {"direction": "up", "since": 100.0}
-    assert delayed(ctx, 2, 105.0)[0] == 1
-    assert delayed(ctx, 2, 110.0) == (2, {})
-    assert delayed(ctx, 1, 110.0) == (1, {})  # wanted == current: nothing pending
-    ctx.policy_state = {"direction": "up", "since": 0.0}  # an old upscale wish does not count for a downscale
-    shrink = context("TargetPool", replicas=2, state=ctx.policy_state, down=60.0)
-    assert delayed(shrink, 1, 100.0) == (2, {"direction": "down", "since": 100.0})
+def test_the_policy_returns_what_each_deployment_wants_and_leaves_delays_to_serve():
+    scaler = PoolAutoscaler(target_tokens_per_replica=4)
+    busy = pool_metrics(batch_tokens=[6.0], batch_size=[6.0], queued=[2.0], requests=[8.0], draft_share=[0.0])
+    decisions, state = scaler({"target": context("TargetPool", metrics=busy)})
+    assert decisions == {"target": 2} and state == {}
 
 
 def test_the_autoscaler_refuses_nonsense_arguments():

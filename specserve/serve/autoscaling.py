@@ -17,7 +17,7 @@ the application's policy scales
 
 The numbers come from the pools' `record_autoscaling_stats` (pushed every ~10 s). Each
 deployment's own `autoscaling_config` still bounds it (min/max replicas) and sets the delays:
-a new size is applied once it has been wanted for `upscale_delay_s` / `downscale_delay_s`.
+Serve applies a new size once it has been wanted for `upscale_delay_s` / `downscale_delay_s`.
 
     applications:
     - name: specserve
@@ -28,9 +28,11 @@ a new size is applied once it has been wanted for `upscale_delay_s` / `downscale
 
 from __future__ import annotations
 
+import logging
 import math
-import time
 from typing import Any
+
+logger = logging.getLogger("ray.serve")
 
 TARGET_POOLS = ("TargetPool", "CoLocatedPool")
 DRAFT_POOLS = ("DraftPool",)
@@ -62,24 +64,6 @@ def drafting_requests(metrics: dict[str, dict[Any, float]] | None) -> float | No
         return None
     share = metrics.get("draft_share", {})
     return float(sum(n * share.get(r, 0.0) for r, n in requests.items()))
-
-
-def delayed(ctx, wanted: int, now: float) -> tuple[int, dict]:
-    """Apply `wanted` once it has been wanted (in the same direction) for the deployment's
-    upscale/downscale delay; until then keep the current target. Returns (replicas, state)."""
-    current = ctx.target_num_replicas
-    if wanted == current:
-        return current, {}
-    direction = "up" if wanted > current else "down"
-    state = dict(ctx.policy_state or {})
-    since = state.get("since") if state.get("direction") == direction else None
-    since = now if since is None else since
-    config = ctx.config
-    delay = (getattr(config, "upscale_delay_s", 30.0) if direction == "up"
-             else getattr(config, "downscale_delay_s", 600.0))
-    if now - since >= delay:
-        return wanted, {}
-    return current, {"direction": direction, "since": since}
 
 
 class PoolAutoscaler:
@@ -119,9 +103,16 @@ class PoolAutoscaler:
         return wanted
 
     def __call__(self, contexts: dict) -> tuple[dict, dict]:
-        decisions, states = {}, {}
-        for dep, n in self.wanted(contexts).items():
+        """Desired replicas per deployment; Serve's wrapper applies each deployment's delays
+        (upscale_delay_s, downscale_delay_s) and bounds (min/max_replicas) to them."""
+        wanted = self.wanted(contexts)
+        for dep, n in wanted.items():
             ctx = contexts[dep]
-            now = ctx.current_time if ctx.current_time is not None else time.time()
-            decisions[dep], states[dep] = delayed(ctx, n, now)
-        return decisions, states
+            if n != ctx.target_num_replicas:
+                logger.debug("PoolAutoscaler: %s wants %d replicas (has %d; metrics %s)", ctx.deployment_name, n,
+                             ctx.target_num_replicas, _summary(ctx.aggregated_metrics))
+        return wanted, {}
+
+
+def _summary(metrics: dict[str, dict[Any, float]] | None) -> dict[str, float]:
+    return {name: round(sum(values.values()), 3) for name, values in (metrics or {}).items()}
