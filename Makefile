@@ -26,9 +26,9 @@ models: setup
 	$(VENV)/bin/specserve models pull $(DEFAULT_MODELS)
 
 # Medusa heads for the default target, into $SPECSERVE_HOME/heads/qwen2.5-coder-1.5b-instruct-medusa
-# (default ~/.cache/specserve): 150k tokens of offline text (hidden states at ~185 tokens/s,
-# cached on disk) and 1500 steps (~0.86 s each): about 35 minutes on 2 idle cores (55 measured
-# while tests shared the machine).
+# (default ~/.cache/specserve): 150k tokens of offline text (hidden states at ~115-185 tokens/s,
+# cached on disk), 40k tokens of the target's own continuations (~60 tokens/s) and 1500 steps
+# (~0.8 s each): about 55 minutes on 2 idle cores.
 # Interrupted: `make heads HEADS_ARGS=--resume`; train again: HEADS_ARGS=--force.
 HEADS_ARGS ?=
 heads: models
