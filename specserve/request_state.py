@@ -138,11 +138,18 @@ class RequestState:
         depth = self.speculation.depth if self.policy_k is None else self.policy_k
         return max(0, min(depth, self.room() - 1))
 
+    @property
+    def pinned_depth(self) -> bool:
+        """A seeded sampled request drafts the configured depth every round: which tokens a
+        seed draws depends on the drafts it verifies, so a depth chosen from load would make
+        the same seed give different (equally exact) outputs."""
+        return not self.params.greedy and self.params.seed is not None
+
     def plan_round(self, policy: SpeculationPolicy, load: LoadModel, batch: float | None = None) -> Decision | None:
         """Adaptive speculation: let the policy set this round's depth (0 = off) from the
         request's acceptance and the pools' load. Fixed speculation: nothing to decide."""
         spec = self.speculation
-        if not spec.adaptive:
+        if not spec.adaptive or self.pinned_depth:
             return None
         if self.acceptance is None:
             self.acceptance = policy.tracker(f"{spec.proposer}/{spec.shape}", spec.depth)
@@ -193,7 +200,7 @@ class RequestState:
         return {**self.stats.as_dict(), "proposer": spec.proposer,
                 "shape": "none" if spec.proposer == "none" else spec.shape,
                 "acceptance": "typical (lossy)" if spec.lossy else "exact", "lossy": spec.lossy,
-                "policy": "adaptive" if spec.adaptive else "fixed"}
+                "policy": "adaptive" if spec.adaptive and not self.pinned_depth else "fixed"}
 
     def commit(self, result: VerifyResult, draft: TokenTree) -> list[int]:
         """Append a round's verified tokens, cut at EOS / stop ids / max_tokens. Returns the

@@ -157,6 +157,19 @@ def test_an_explicit_setting_wins_over_the_policy():
     assert state.plan_round(policy, load, batch=512) is None and state.round_k() == 3
 
 
+def test_a_seeded_sampled_request_keeps_its_depth_so_the_seed_reproduces():
+    policy, load = SpeculationPolicy(PolicyConfig(warmup_rounds=0)), loaded_model(random.Random(8))
+    spec = Speculation(proposer="draft", k=4, policy="adaptive")
+    seeded = RequestState("r", [1, 2, 3], SamplingParams(temperature=0.8, seed=3, max_tokens=100), spec)
+    seeded.output_ids = [7]
+    assert seeded.plan_round(policy, load, batch=1024) is None and seeded.round_k() == 4
+    assert seeded.usage_stats()["policy"] == "fixed"
+    unseeded = RequestState("r", [1, 2, 3], SamplingParams(temperature=0.8, max_tokens=100), spec)
+    unseeded.output_ids = [7]
+    unseeded.acceptance = measured(0.8)
+    assert unseeded.plan_round(policy, load, batch=1024).k == 0
+
+
 def test_request_state_follows_the_policy_and_records_its_decisions():
     policy, load = SpeculationPolicy(PolicyConfig(warmup_rounds=0)), loaded_model(random.Random(7))
     state = _state(Speculation(proposer="draft", k=4, policy="adaptive"))

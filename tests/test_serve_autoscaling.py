@@ -39,7 +39,7 @@ def autoscale_app(cluster):
                 "model_name": "smol-autoscale",
                 "target": {"model": SMOL, **pool, "autoscaling_config": {
                     "min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1, "downscale_delay_s": 3,
-                    "look_back_period_s": 2}},
+                    "look_back_period_s": 2, "metrics_interval_s": 1}},
                 "speculation": {"proposer": "none"},
                 "router": {"max_ongoing_requests": 16, "max_queued_requests": 16},
             },
