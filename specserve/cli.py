@@ -194,7 +194,8 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
     options = TrainOptions(
         method=args.method, num_heads=args.heads, num_layers=args.layers, steps=args.steps, lr=args.lr,
         batch_size=args.batch_size, seq_len=args.seq_len, max_tokens=args.max_tokens,
-        generated_tokens=args.generated_tokens, generated_share=args.generated_share, head_vocab_size=args.head_vocab, own_lm_head=args.own_lm_head, seed=args.seed, dtype=args.dtype,
+        generated_tokens=args.generated_tokens, generated_share=args.generated_share,
+        head_vocab_size=args.head_vocab, own_lm_head=args.own_lm_head, seed=args.seed, dtype=args.dtype,
         device=args.device, threads=args.threads, checkpoint_every=args.checkpoint_every,
         progress=not args.no_progress)
     validate_options(options)  # before any model is loaded

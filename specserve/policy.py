@@ -48,7 +48,6 @@ class PolicyConfig:
     acceptance_ema: float = 0.3  # weight of a new round in a request's acceptance EMA
     prior_acceptance: float = 0.6  # per-position acceptance before anything is measured
     warmup_rounds: int = 2  # speculative rounds a request runs as configured before the policy decides
-    prior_tokens_per_step: float = 32.0  # the knee (fixed / per_token) assumed until batches of several sizes are seen
     head_cost: float = 0.02  # co-located heads: their share of a target step
 
 
@@ -174,7 +173,7 @@ class AcceptanceTracker:
 class Decision:
     k: int
     goodput: dict[int, float]  # tokens per second per candidate k (the model's view)
-    reason: str  # "warmup" | "model" | "hold"
+    reason: str  # "warmup" (the configured depth) | "model"
 
 
 class SpeculationPolicy:

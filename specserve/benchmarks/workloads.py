@@ -44,12 +44,16 @@ class Workload:
 
     def encode(self, tokenizer) -> list[list[int]]:
         """The prompts as token ids for ``tokenizer`` (chat ones through its chat template)."""
-        if not self.chat:
-            return [tokenizer.encode(p.text) for p in self.prompts]
-        return [tokenizer.encode(
-            tokenizer.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False,
-                                          add_generation_prompt=True),
-            add_special_tokens=False) for p in self.prompts]  # the template writes the special tokens
+        return [encode_prompt(tokenizer, p.text, chat=self.chat) for p in self.prompts]
+
+
+def encode_prompt(tokenizer, text: str, *, chat: bool) -> list[int]:
+    """A prompt as token ids: as text, or as one user message through the chat template with
+    the generation prompt (the template writes the special tokens itself)."""
+    if not chat:
+        return tokenizer.encode(text)
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                          add_generation_prompt=True), add_special_tokens=False)
 
 
 def humaneval(n: int, seed: int = 0) -> Workload:

@@ -454,9 +454,14 @@ class TorchWorker:
         self._queued_prefill.pop(request_id, None)
         return self._drop(request_id)
 
+    @property
+    def cached_requests(self) -> int:
+        """Requests holding a cache here (a dict length: safe to read from another thread)."""
+        return len(self._cache)
+
     def cache_stats(self) -> dict:
         return {
-            "requests": len(self._cache),
+            "requests": self.cached_requests,
             "cached_tokens": sum(len(e.tokens) for e in self._cache.values()),
             "kv_capacity_tokens": self.kv.capacity_tokens,
             "kv_free_tokens": self.kv.free_blocks * BLOCK_TOKENS,

@@ -186,7 +186,9 @@ def token_sequences(tokenizer, max_tokens: int, seed: int = 0, *,
 def heldout_prompts(tokenizer) -> list[list[int]]:
     """Held-out prompts for the target's own continuations: the first HumanEval problems'
     prompts, as the code workload feeds them."""
-    return [tokenizer.encode(p["prompt"]) for p in _humaneval_problems()[:HELD_OUT_FIRST_HUMANEVAL]]
+    from specserve.benchmarks.workloads import encode_prompt
+
+    return [encode_prompt(tokenizer, p["prompt"], chat=False) for p in _humaneval_problems()[:HELD_OUT_FIRST_HUMANEVAL]]
 
 
 def heldout_sequences(tokenizer, max_tokens: int) -> list[list[int]]:
@@ -219,18 +221,15 @@ def generation_prompts(tokenizer, seed: int = 0, *, stdlib_count: int = 400) -> 
     template with the generation prompt (the chat workload's format), and the openings of
     standard-library windows. The sources take turns, in a seeded order, so any budget gets a
     mix of the three."""
+    from specserve.benchmarks.workloads import encode_prompt
+
     excluded = held_out()
     rng = random.Random(seed)
-    code = [tokenizer.encode(p["prompt"]) for p in _humaneval_problems() if p["task_id"] not in excluded.humaneval]
-    chat = []
-    for doc in mtbench_documents(excluded.mtbench):
-        question = json.loads(doc.text)[0]["content"]
-        if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                                 add_generation_prompt=True)
-            chat.append(tokenizer.encode(text, add_special_tokens=False))
-        else:
-            chat.append(tokenizer.encode(question))
+    code = [encode_prompt(tokenizer, p["prompt"], chat=False)
+            for p in _humaneval_problems() if p["task_id"] not in excluded.humaneval]
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    chat = [encode_prompt(tokenizer, json.loads(doc.text)[0]["content"], chat=has_template)
+            for doc in mtbench_documents(excluded.mtbench)]
     library = [ids[:STDLIB_PROMPT_TOKENS] for doc in stdlib_documents(seed + 1, stdlib_count)
                if len(ids := tokenizer.encode(doc.text, add_special_tokens=False)) > STDLIB_PROMPT_TOKENS // 2]
     sources = [code, chat, library]

@@ -39,12 +39,6 @@ DRAFT_POOLS = ("DraftPool",)
 POLICY_FUNCTION = "specserve.serve.autoscaling:PoolAutoscaler"
 
 
-def replica_sums(metrics: dict[str, dict[Any, float]] | None, *names: str) -> dict[str, float]:
-    """Per metric name, the sum over replicas of the replicas' (time-aggregated) values."""
-    metrics = metrics or {}
-    return {name: float(sum(metrics.get(name, {}).values())) for name in names}
-
-
 def target_demand(metrics: dict[str, dict[Any, float]] | None) -> float | None:
     """Tokens in flight on the target pool: each replica's tokens per pass, scaled up by the
     calls waiting behind that pass. None when no replica reported yet."""

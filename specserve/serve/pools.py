@@ -101,7 +101,6 @@ class _Pool:
         self._batched_calls = 0
         self._busy_s = 0.0
         self._load = PoolLoad(0, 0.0, 0, 0.0, 0)  # the last pass's load signal
-        self._requests = 0  # requests holding a cache here after the last pass
         self._draft_share = 0.0  # EMA: share of calls that carried draft tokens
         # request id -> release time. A call still queued or in flight when its request was
         # released must not leave a cache behind: batches drop these entries after running.
@@ -133,11 +132,11 @@ class _Pool:
             self._batched_calls += len(requests)
             self._busy_s += seconds
             passes = max(1, getattr(self.worker, "forward_passes", 1) - passes_before)
-            tokens = sum(n + self._draft_tokens(r) if chunk is None else chunk
-                         for r, n, chunk in zip(requests, uncached, chunks))
+            drafts = [self._draft_tokens(r) for r in requests]
+            tokens = sum(n + d if chunk is None else chunk for n, d, chunk in zip(uncached, drafts, chunks))
             self._load = load = PoolLoad(batch_size=len(requests), batch_tokens=tokens / passes,
                                          queued=self.batcher.queued, step_s=seconds / passes, passes=passes)
-            drafted = sum(1 for r in requests if self._draft_tokens(r)) / len(requests)
+            drafted = sum(1 for d in drafts if d) / len(requests)
             self._draft_share += DRAFT_SHARE_EMA * (drafted - self._draft_share)
             for result in out:
                 if result is not RUN_AGAIN:
@@ -146,7 +145,6 @@ class _Pool:
             for request in requests:
                 if request.request_id in self._released:
                     self.worker.release(request.request_id)
-            self._requests = self.worker.cache_stats()["requests"]
             return out
 
     def _queue_prefill_chunks(self, requests) -> tuple[list[int], list[int | None]]:
@@ -191,7 +189,7 @@ class _Pool:
             load = PoolLoad(0, 0.0, 0, load.step_s, 0)
         return {"batch_tokens": float(load.batch_tokens), "batch_size": float(load.batch_size),
                 "queued": float(self.batcher.queued), "step_s": float(load.step_s),
-                "requests": float(self._requests), "draft_share": float(self._draft_share)}
+                "requests": float(self.worker.cached_requests), "draft_share": float(self._draft_share)}
 
     async def vocabulary_signature(self) -> str:
         return await asyncio.to_thread(vocabulary_signature, self.args["model"])
