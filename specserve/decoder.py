@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from specserve.policy import LoadModel, SpeculationPolicy
 from specserve.proposers import Proposer
-from specserve.protocol import DRAFT_POOL_PROPOSERS, SamplingParams, Speculation, SpecserveError, TreeSpec
+from specserve.protocol import DRAFT_POOL_PROPOSERS, PoolLoad, SamplingParams, Speculation, SpecserveError, TreeSpec
 from specserve.request_state import RequestState, SpecStats
 from specserve.verifier import Verifier
 
@@ -45,6 +45,15 @@ class BatchReport:
     @property
     def tokens_per_second(self) -> float:
         return self.stats.generated_tokens / self.seconds if self.seconds else 0.0
+
+
+def measured_pass(worker, calls, run) -> tuple[list, PoolLoad]:
+    """`run(calls)` on `worker`, and its load signal as a pool would report it (the same
+    token count: uncached tokens + draft nodes), for the load-aware policy."""
+    tokens = sum(worker.uncached_tokens(c.request_id, c.token_ids) + c.draft_nodes for c in calls)
+    passes, started = worker.forward_passes, time.perf_counter()
+    out = run(calls)
+    return out, PoolLoad.measured(len(calls), tokens, worker.forward_passes - passes, time.perf_counter() - started)
 
 
 class SpeculativeDecoder:
@@ -163,17 +172,11 @@ class SpeculativeDecoder:
         drafting = [s.propose_request() for s in live if s.needs_proposer]
         proposals = {}
         if drafting:
-            worker = self.proposer.worker
-            passes, started = worker.forward_passes, time.perf_counter()
-            proposals = {p.request_id: p for p in self.proposer.propose(drafting)}
-            steps = max(1, worker.forward_passes - passes)
-            self.load.observe_draft(sum(r.tree.width if r.tree else 1 for r in drafting),
-                                    (time.perf_counter() - started) / steps)
+            proposed, load = measured_pass(self.proposer.worker, drafting, self.proposer.propose)
+            proposals = {p.request_id: p for p in proposed}
+            self.load.observe_draft(load.batch_tokens, load.step_s)
         verify = [s.verify_request(proposals.get(s.request_id) or s.proposal_in_hand()) for s in live]
-        worker = self.verifier.worker
-        tokens = sum(worker.uncached_tokens(v.request_id, v.token_ids) + len(v.draft) for v in verify)
-        started = time.perf_counter()
-        results = self.verifier.verify(verify)
-        self.load.observe_target(len(verify), tokens, time.perf_counter() - started)
+        results, load = measured_pass(self.verifier.worker, verify, self.verifier.verify)
+        self.load.observe_target(load.batch_size, load.batch_tokens, load.step_s)
         for s, v, result in zip(live, verify, results):
             s.commit(result, v.draft)

@@ -17,10 +17,12 @@ goodput if every request in the batch did the same:
 
     goodput(k) = E[tokens | k] / round_seconds(k)
     E[tokens | k] = 1 + sum_{j<=k} prod_{d<=j} accept_d       (Leviathan et al. 2023, per position)
-    round_seconds(k) = overhead + k * draft_step(B * width) + target_step(B * (1 + nodes(k)))
+    round_seconds(k) = overhead(k) + k * draft_step(B * width) + target_step(B * (1 + nodes(k)))
 
 and picks the best, with hysteresis: it changes k only for a gain of more than `hysteresis`
 over the current choice, and never keeps a k > 0 that its own model says loses to k = 0.
+A position that is never drafted is never measured, so every `probe_every` rounds the policy
+drafts one level deeper than its choice, when its model says that level still beats k = 0.
 Pure and torch-free: the router and the library decoder feed it.
 
     >>> policy = SpeculationPolicy(PolicyConfig())
@@ -45,10 +47,15 @@ DRAFT_COSTS = ("pool", "co_located", "free")  # a draft model pool / heads in th
 @dataclass(frozen=True)
 class PolicyConfig:
     hysteresis: float = 0.05  # change k only for more than this relative goodput gain
-    acceptance_ema: float = 0.3  # weight of a new round in a request's acceptance EMA
+    acceptance_ema: float = 0.1  # a new round's weight in a request's acceptance EMA (at 0.3 the
+    # estimate of a 90% position swings by ±0.13 from round to round, enough to pin k low)
     prior_acceptance: float = 0.6  # per-position acceptance before anything is measured
     warmup_rounds: int = 2  # speculative rounds a request runs as configured before the policy decides
     head_cost: float = 0.02  # co-located heads: their share of a target step
+    # Every this many rounds without a draft at depth k+1, draft one level deeper than the
+    # model's choice (when that still beats no speculation): a position never drafted is never
+    # measured, so an early unlucky estimate would otherwise pin k below its best for good.
+    probe_every: int = 16
 
 
 @dataclass
@@ -106,7 +113,10 @@ class LoadModel:
     target: StepTimeModel = field(default_factory=StepTimeModel)
     draft: StepTimeModel = field(default_factory=StepTimeModel)
     batch_ema: float = 1.0  # requests per target pass
-    overhead_s: float = 0.0  # per round, outside the pools' compute (RPCs, queueing)
+    # Per round, outside the pools' compute (RPCs, queueing): rounds with the target pool alone,
+    # and rounds that also called a draft pool (one more RPC; None until one is seen).
+    overhead_s: float = 0.0
+    draft_overhead_s: float | None = None
     smoothing: float = 0.2
 
     def observe_target(self, batch_size: int, batch_tokens: int, step_s: float) -> None:
@@ -116,8 +126,19 @@ class LoadModel:
     def observe_draft(self, batch_tokens: int, step_s: float) -> None:
         self.draft.observe(batch_tokens, step_s)
 
-    def observe_overhead(self, seconds: float) -> None:
-        self.overhead_s += self.smoothing * (max(0.0, seconds) - self.overhead_s)
+    def observe_overhead(self, seconds: float, *, draft_call: bool = False) -> None:
+        seconds = max(0.0, seconds)
+        if not draft_call:
+            self.overhead_s += self.smoothing * (seconds - self.overhead_s)
+        elif self.draft_overhead_s is None:
+            self.draft_overhead_s = seconds
+        else:
+            self.draft_overhead_s += self.smoothing * (seconds - self.draft_overhead_s)
+
+    def round_overhead(self, draft_call: bool) -> float:
+        if draft_call and self.draft_overhead_s is not None:
+            return self.draft_overhead_s
+        return self.overhead_s
 
 
 @dataclass
@@ -127,9 +148,11 @@ class AcceptanceTracker:
 
     rates: list[float]
     prior: float = 0.6
-    weight: float = 0.3  # a new round's weight in the EMAs
+    weight: float = 0.1  # a new round's weight in the EMAs
+    relax_step: float = 0.03  # per round without speculation: the gap to the deployment halves in ~23
     rounds: int = 0  # speculative rounds observed
     nodes_per_level: float = 1.0
+    ages: list[int] = field(default_factory=list)  # per position: rounds since it was last drafted
     # The deployment-wide tracker this one was copied from: it learns from every request's rounds.
     shared: AcceptanceTracker | None = field(default=None, repr=False)
 
@@ -146,6 +169,7 @@ class AcceptanceTracker:
         if self.shared is not None:
             self.shared.observe(drafted_depth, accepted, nodes)
         self.rounds += 1
+        self.ages = [0] * drafted_depth + [a + 1 for a in self.ages[drafted_depth:]]
         for d in range(min(drafted_depth, accepted + 1)):
             while d >= len(self.rates):
                 self.rates.append(self.prior)
@@ -155,10 +179,20 @@ class AcceptanceTracker:
         self.nodes_per_level += self.weight * (per_level - self.nodes_per_level)
 
     def relax(self) -> None:
-        """A round without speculation: drift back toward the prior (a tenth of a round's
-        weight), so a request that stopped speculating because its drafts failed tries again
-        some time later."""
-        self.rates = [r + self.weight / 10 * (self.prior - r) for r in self.rates]
+        """A round without speculation: drift (`relax_step` of the gap) toward what the
+        deployment measures now, or the prior when there is nothing shared. So a request that
+        stopped speculating because its own drafts failed tries again some time later, and one
+        that stopped because of load keeps a realistic view of its drafts instead of decaying
+        to a pessimistic prior that would keep it off after the load is gone."""
+        shared = self.shared.rates if self.shared is not None else []
+        step = self.relax_step
+        self.ages = [a + 1 for a in self.ages]
+        self.rates = [r + step * ((shared[d] if d < len(shared) else self.prior) - r)
+                      for d, r in enumerate(self.rates)]
+
+    def age(self, position: int) -> float:
+        """Rounds since a draft last reached `position` (never: infinity)."""
+        return self.ages[position] if position < len(self.ages) else math.inf
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a round with k drafted positions emits on average, the target's own included."""
@@ -173,7 +207,7 @@ class AcceptanceTracker:
 class Decision:
     k: int
     goodput: dict[int, float]  # tokens per second per candidate k (the model's view)
-    reason: str  # "warmup" (the configured depth) | "model"
+    reason: str  # "warmup" (the configured depth) | "model" | "probe" (one level deeper, to measure it)
 
 
 class SpeculationPolicy:
@@ -196,14 +230,14 @@ class SpeculationPolicy:
         levels holding `nodes` nodes in all (`width` per level on average)."""
         verify = load.target.predict(batch * (1.0 + nodes))
         if k == 0:
-            return load.overhead_s + verify
+            return load.round_overhead(draft_call=False) + verify
         if draft_cost == "pool":
             draft = k * load.draft.predict(batch * width) if load.draft.observed else 0.0
         elif draft_cost == "co_located":
             draft = self.config.head_cost * load.target.predict(batch)
         else:
             draft = 0.0
-        return load.overhead_s + draft + verify
+        return load.round_overhead(draft_call=draft_cost == "pool") + draft + verify
 
     def choose(self, acceptance: AcceptanceTracker, load: LoadModel, *, current: int, max_k: int,
                batch: float | None = None, draft_cost: str = "pool") -> Decision:
@@ -221,7 +255,10 @@ class SpeculationPolicy:
             width = acceptance.nodes_per_level
             seconds = self.round_seconds(k, load, batch, nodes=k * width, width=width, draft_cost=draft_cost)
             goodput[k] = acceptance.expected_tokens(k) / seconds if seconds > 0 else 0.0
-        return Decision(self._pick(goodput, min(current, max_k)), goodput, "model")
+        k = self._pick(goodput, min(current, max_k))
+        if k < max_k and goodput[k + 1] > goodput[0] and acceptance.age(k) >= self.config.probe_every:
+            return Decision(k + 1, goodput, "probe")
+        return Decision(k, goodput, "model")
 
     def _pick(self, goodput: dict[int, float], current: int) -> int:
         """The best k, unless the current one is within the hysteresis band of it; a k that

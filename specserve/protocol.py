@@ -383,6 +383,14 @@ class PoolLoad:
     step_s: float  # seconds per forward pass
     passes: int = 1  # forward passes the call took (a draft's k steps)
 
+    @classmethod
+    def measured(cls, batch_size: int, tokens: int, passes: int, seconds: float, queued: int = 0) -> PoolLoad:
+        """The signal of a batch that ran `tokens` tokens (uncached ones + draft nodes) through
+        `passes` forward passes in `seconds`: per-pass means, which fit a step time that is
+        linear in tokens (a draft's prefill and its k steps average out correctly)."""
+        passes = max(1, passes)
+        return cls(batch_size, tokens / passes, queued, seconds / passes, passes)
+
 
 @dataclass(frozen=True)
 class DraftShape:
@@ -406,6 +414,11 @@ class ProposeRequest:
     @classmethod
     def after(cls, request_id: str, token_ids: list[int], params: SamplingParams, shape: DraftShape) -> ProposeRequest:
         return cls(request_id, token_ids, shape.k, params, shape.seed, shape.tree)
+
+    @property
+    def draft_nodes(self) -> int:
+        """Tokens the draft adds to its passes beyond the uncached ones: k steps of `width`."""
+        return self.k * (self.tree.width if self.tree is not None else 1)
 
 
 @dataclass
@@ -452,6 +465,11 @@ class VerifyRequest:
 
     def __post_init__(self) -> None:
         check_draw_law(self.draft, self.law, self.dists, f"request {self.request_id}")
+
+    @property
+    def draft_nodes(self) -> int:
+        """Tokens verification adds to the pass beyond the uncached ones."""
+        return len(self.draft)
 
 
 @dataclass

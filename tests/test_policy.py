@@ -35,7 +35,7 @@ def loaded_model(rng: random.Random, batches=(1, 2, 4, 8)) -> LoadModel:
 
 
 def measured(rate: float, positions: int = 8) -> AcceptanceTracker:
-    return AcceptanceTracker([rate] * positions, prior=rate, rounds=10)
+    return AcceptanceTracker([rate] * positions, prior=rate, rounds=10, ages=[0] * positions)
 
 
 def test_step_model_recovers_the_line_from_noisy_passes():
@@ -127,6 +127,71 @@ def test_it_never_speculates_where_its_own_model_says_speculation_loses():
         decision = policy.choose(acceptance, load, current=current, max_k=8, batch=rng.choice([1, 4, 16, 64, 256]),
                                  draft_cost=rng.choice(["pool", "co_located"]))
         assert decision.k == 0 or decision.goodput[decision.k] > decision.goodput[0]
+
+
+def drafted_round(tracker: AcceptanceTracker, k: int, rate: float, rng: random.Random) -> None:
+    """One round of k drafted positions, each accepted with probability `rate`."""
+    accepted = 0
+    while accepted < k and rng.random() < rate:
+        accepted += 1
+    tracker.observe(k, accepted)
+
+
+@pytest.mark.parametrize("probe_every", [16, 10 ** 9])
+def test_an_unlucky_estimate_of_a_deep_position_is_measured_again(probe_every):
+    """Drafts are accepted 90% of the time at every position, but the request's first rounds
+    rejected at position 1, so its estimate there is 0.3 and its best k looks like 1. Without
+    probing, position 1 is never drafted again and the request stays at k = 1 for good."""
+    rng = random.Random(9)
+    load = loaded_model(rng)
+    policy = SpeculationPolicy(PolicyConfig(probe_every=probe_every))
+    tracker = AcceptanceTracker([0.9, 0.3, 0.9, 0.9, 0.9, 0.9], prior=0.6, rounds=10, ages=[0] * 6)
+    k, reasons = 1, set()
+    for _ in range(300):
+        decision = policy.choose(tracker, load, current=k, max_k=6, batch=1)
+        k = decision.k
+        reasons.add(decision.reason)
+        if k == 0:
+            tracker.relax()
+        else:
+            drafted_round(tracker, k, 0.9, rng)
+    if probe_every == 16:
+        assert k >= 3 and "probe" in reasons
+    else:
+        assert k == 1 and reasons == {"model"}
+
+
+def test_a_request_that_stops_speculating_drifts_toward_the_deployment_not_the_prior():
+    policy = SpeculationPolicy(PolicyConfig(prior_acceptance=0.6))
+    for _ in range(30):
+        policy.tracker("draft/chain", 2).observe(2, 2)  # the deployment: accepted almost always
+    unlucky = policy.tracker("draft/chain", 2)
+    unlucky.rates = [0.1, 0.1]
+    for _ in range(200):
+        unlucky.relax()
+    assert unlucky.rates[0] > 0.9 and unlucky.ages == [200, 200]
+    alone = AcceptanceTracker([0.1], prior=0.6)
+    for _ in range(200):
+        alone.relax()
+    assert alone.rates[0] == pytest.approx(0.6, abs=0.01)
+
+
+def test_a_draft_pool_round_pays_its_own_round_trip():
+    """Rounds that call the draft pool carry one more RPC than target-only rounds; the two
+    overheads are kept apart, so turning speculation off does not inherit the draft's."""
+    load = loaded_model(random.Random(10))
+    for _ in range(50):
+        load.observe_overhead(0.002)
+        load.observe_overhead(0.030, draft_call=True)
+    assert load.round_overhead(False) == pytest.approx(0.002, rel=1e-3)
+    assert load.round_overhead(True) == pytest.approx(0.030, rel=1e-3)
+    policy = SpeculationPolicy()
+    pool = policy.round_seconds(2, load, 1, nodes=2, width=1, draft_cost="pool")
+    heads = policy.round_seconds(2, load, 1, nodes=2, width=1, draft_cost="co_located")
+    off = policy.round_seconds(0, load, 1, nodes=0, width=1, draft_cost="pool")
+    assert pool == pytest.approx(0.030 + 2 * load.draft.predict(1) + load.target.predict(3))
+    assert heads == pytest.approx(0.002 + 0.02 * load.target.predict(1) + load.target.predict(3), rel=1e-3)
+    assert off == pytest.approx(0.002 + load.target.predict(1), rel=1e-3)
 
 
 def test_low_acceptance_turns_speculation_off_even_when_idle():

@@ -114,10 +114,6 @@ class _Pool:
         """The worker call a batch of this pool's requests goes through."""
         raise NotImplementedError
 
-    def _draft_tokens(self, request) -> int:
-        """Tokens a call adds to the passes beyond its uncached ones (draft nodes)."""
-        raise NotImplementedError
-
     def _run(self, fn, requests):
         with self._lock:
             started = time.perf_counter()
@@ -131,11 +127,10 @@ class _Pool:
             self._batches += 1
             self._batched_calls += len(requests)
             self._busy_s += seconds
-            passes = max(1, getattr(self.worker, "forward_passes", 1) - passes_before)
-            drafts = [self._draft_tokens(r) for r in requests]
+            passes = getattr(self.worker, "forward_passes", 1) - passes_before
+            drafts = [r.draft_nodes for r in requests]
             tokens = sum(n + d if chunk is None else chunk for n, d, chunk in zip(uncached, drafts, chunks))
-            self._load = load = PoolLoad(batch_size=len(requests), batch_tokens=tokens / passes,
-                                         queued=self.batcher.queued, step_s=seconds / passes, passes=passes)
+            self._load = load = PoolLoad.measured(len(requests), tokens, passes, seconds, self.batcher.queued)
             drafted = sum(1 for d in drafts if d) / len(requests)
             self._draft_share += DRAFT_SHARE_EMA * (drafted - self._draft_share)
             for result in out:
@@ -223,9 +218,6 @@ class DraftPool(_Pool):
     def _batch_fn(self):
         return self.proposer.propose
 
-    def _draft_tokens(self, request: ProposeRequest) -> int:
-        return request.k * (request.tree.width if request.tree is not None else 1)
-
     async def propose(self, request: ProposeRequest) -> Proposal:
         return await self.batcher.submit(request)
 
@@ -245,9 +237,6 @@ class _Verifying(_Pool):
 
     def _batch_fn(self):
         return self.verifier.verify
-
-    def _draft_tokens(self, request: VerifyRequest) -> int:
-        return len(request.draft)
 
     async def verify(self, request: VerifyRequest) -> VerifyResult:
         return await self.batcher.submit(request)

@@ -196,7 +196,8 @@ class Router:
             while not state.finished:
                 started = time.perf_counter()
                 state.plan_round(self.policy, self.load)
-                if state.needs_proposer:  # a draft pool's round
+                draft_call = state.needs_proposer
+                if draft_call:  # a draft pool's round
                     proposal = await self._propose(state.propose_request())
                 else:  # co-located heads proposed it in the previous verify pass (or no speculation)
                     proposal = state.proposal_in_hand()
@@ -205,19 +206,20 @@ class Router:
                 compute = result.compute_s + (proposal.compute_s if proposal is not None else 0.0)
                 overhead = max(0.0, time.perf_counter() - started - compute)
                 state.stats.round_trip_overhead_s += overhead
-                self._observe_load(result, proposal, overhead)
+                self._observe_load(result, proposal, overhead, draft_call)
                 emitted = state.commit(result, verify.draft)
                 state.finish_at_stop_string(self.codec.decode)
                 yield emitted
         finally:
             self._release(state)
 
-    def _observe_load(self, result: VerifyResult, proposal: Proposal | None, overhead_s: float) -> None:
+    def _observe_load(self, result: VerifyResult, proposal: Proposal | None, overhead_s: float,
+                      draft_call: bool) -> None:
         if result.load is not None:
             self.load.observe_target(result.load.batch_size, result.load.batch_tokens, result.load.step_s)
         if proposal is not None and proposal.load is not None:
             self.load.observe_draft(proposal.load.batch_tokens, proposal.load.step_s)
-        self.load.observe_overhead(overhead_s)
+        self.load.observe_overhead(overhead_s, draft_call=draft_call)
 
     # ---- requests ----------------------------------------------------------------------
 
