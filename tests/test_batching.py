@@ -95,3 +95,56 @@ def test_plan_prefill_chunks_bounds_the_prompt_tokens_of_a_pass():
         plan = plan_prefill_chunks(uncached, budget=256)
         computed = sum(u if c is None and u > ALWAYS_READY_TOKENS else (c or 0) for u, c in zip(uncached, plan))
         assert computed <= 256
+
+
+def _phase_split_streams(join_fraction: float) -> list[list[int]]:
+    """Four streams whose callers take 20 ms between an answer and their next call, started
+    so that two of them arrive during the first pass: without joining, passes alternate
+    between the two halves for good."""
+    batches = []
+
+    def run(items):
+        batches.append(sorted(items))
+        time.sleep(0.04)
+        return items
+
+    async def stream(batcher, name, start):
+        await asyncio.sleep(start)
+        for _ in range(8):
+            await batcher.submit(name)
+            await asyncio.sleep(0.02)  # the router's round trip
+
+    async def scenario():
+        batcher = ContinuousBatcher(run, max_batch_size=8, key=lambda item: item, join_fraction=join_fraction)
+        await asyncio.gather(*(stream(batcher, n, 0.0 if n < 2 else 0.01) for n in range(4)))
+
+    asyncio.run(scenario())
+    return batches
+
+
+def test_streams_in_alternating_phases_are_joined_into_full_passes():
+    split = _phase_split_streams(0.0)
+    assert max(len(b) for b in split[2:]) == 2  # halves, pass after pass
+    joined = _phase_split_streams(0.75)
+    assert len(joined) < len(split) * 0.75
+    assert sum(len(b) == 4 for b in joined) >= 5
+
+
+def test_a_finished_request_is_not_waited_for():
+    waits = []  # passes that waited for a due call
+
+    def run(items):
+        time.sleep(0.03)
+        return items
+
+    async def scenario():
+        batcher = ContinuousBatcher(run, max_batch_size=8, key=lambda item: item, join_fraction=1.0)
+        for _ in range(3):  # "a" learns a return time of ~0
+            await batcher.submit("a")
+        before = batcher.joined_waits
+        batcher.forget("a")  # released
+        await batcher.submit("b")
+        waits.append(batcher.joined_waits - before)
+
+    asyncio.run(scenario())
+    assert waits == [0]  # b's pass did not wait for "a"

@@ -5,6 +5,12 @@ becomes the next forward pass. Unlike `serve.batch`, which closes each batch whe
 window ends and then queues finished batches behind the running one, a batch here is formed
 only when it can run, so every call that arrived during the previous pass joins the next.
 
+Each request's router sends its next call a little after the previous one is answered, so
+streams drift into phases: half of them in one pass, half in the next, each pass half full and
+every request waiting a whole extra pass. Given `key` (a call's request id), the batcher learns
+each request's return time (answer to next call) and, when a pass is about to start, waits for
+calls due within `join_fraction` of a pass, so a pass runs full instead of split in two.
+
 A batch may answer RUN_AGAIN for a call it only advanced (a chunk of a long prompt): that call
 goes back to the front of the queue and joins the next pass with whatever arrived meanwhile.
 """
@@ -12,26 +18,51 @@ goes back to the front of the queue and joins the next pass with whatever arrive
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+import time
+from typing import Callable, Hashable
 
 RUN_AGAIN = object()  # a batch result: not finished, run this call again in the next pass
+EMA = 0.3  # weight of a new measurement of a pass's duration or a request's return time
+FORGET_S = 60.0  # a request not heard from for this long has ended
+LATE_S = 0.005  # a call this much later than its usual return time is not waited for any longer
 
 
 class ContinuousBatcher:
-    def __init__(self, run_batch: Callable[[list], list], *, max_batch_size: int, wait_s: float = 0.0):
+    def __init__(self, run_batch: Callable[[list], list], *, max_batch_size: int, wait_s: float = 0.0,
+                 key: Callable[[object], Hashable] | None = None, join_fraction: float = 0.0):
         self.run_batch = run_batch  # blocking: runs in a thread, returns one result per item
         self.max_batch_size = max_batch_size
         self.wait_s = wait_s
+        self.key = key
+        self.join_fraction = join_fraction
         self._queue: list[tuple[object, asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
+        self._arrived = asyncio.Event()
+        self._pass_s = 0.0  # EMA of a pass's duration
+        self._answered_at: dict[Hashable, float] = {}  # request -> when its last call was answered
+        self._return_s: dict[Hashable, float] = {}  # request -> EMA of answer-to-next-call time
+        self.joined_waits = 0  # passes that waited for a due call (stats)
 
     @property
     def queued(self) -> int:
         return len(self._queue)
 
+    def forget(self, key: Hashable) -> None:
+        """The request is finished: expect no more calls from it."""
+        self._answered_at.pop(key, None)
+        self._return_s.pop(key, None)
+
     async def submit(self, item):
         future = asyncio.get_running_loop().create_future()
+        if self.key is not None:
+            key = self.key(item)
+            answered = self._answered_at.pop(key, None)
+            if answered is not None:
+                gap = time.monotonic() - answered
+                last = self._return_s.get(key)
+                self._return_s[key] = gap if last is None else last + EMA * (gap - last)
         self._queue.append((item, future))
+        self._arrived.set()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         return await future
@@ -40,12 +71,48 @@ class ContinuousBatcher:
         while self._queue:
             if self.wait_s and len(self._queue) < self.max_batch_size:
                 await asyncio.sleep(self.wait_s)  # let calls that are already on their way join
+            await self._wait_for_due_calls()
             batch = [(i, f) for i, f in self._queue[: self.max_batch_size] if not f.cancelled()]
             del self._queue[: self.max_batch_size]
             if batch:
                 await self._run(batch)
 
+    def _due(self, now: float, limit: float) -> list[float]:
+        """When the calls expected before `limit` should arrive (requests answered earlier and
+        not back yet, less those already later than their usual return by LATE_S)."""
+        due, gone = [], []
+        for key, answered in self._answered_at.items():
+            expected = answered + self._return_s.get(key, 0.0)
+            if key in self._return_s and expected <= limit and now <= expected + LATE_S:
+                due.append(expected)
+            elif now - answered > FORGET_S:
+                gone.append(key)
+        for key in gone:  # a request that ended without a release (its router went away)
+            self.forget(key)
+        return due
+
+    async def _wait_for_due_calls(self) -> None:
+        """Hold the pass (at most join_fraction of a pass) while calls are due to arrive."""
+        if not self.join_fraction or not self._pass_s:
+            return
+        limit = time.monotonic() + self.join_fraction * self._pass_s
+        waited = False
+        while len(self._queue) < self.max_batch_size:
+            now = time.monotonic()
+            due = self._due(now, limit)
+            if not due or now >= limit:
+                break
+            waited = True
+            self._arrived.clear()
+            wake = min(limit, max(due) + LATE_S)
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=max(0.0, wake - now))
+            except asyncio.TimeoutError:
+                pass
+        self.joined_waits += waited
+
     async def _run(self, batch) -> None:
+        started = time.monotonic()
         try:
             results = await asyncio.to_thread(self.run_batch, [item for item, _ in batch])
         except Exception as exc:
@@ -55,9 +122,14 @@ class ContinuousBatcher:
             elif not batch[0][1].done():
                 batch[0][1].set_exception(exc)
             return
+        answered = time.monotonic()
+        seconds = answered - started
+        self._pass_s = seconds if not self._pass_s else self._pass_s + EMA * (seconds - self._pass_s)
         again = [(item, future) for (item, future), result in zip(batch, results)
                  if result is RUN_AGAIN and not future.done()]
         self._queue[:0] = again  # ahead of later arrivals, in their order
-        for (_, future), result in zip(batch, results):
+        for (item, future), result in zip(batch, results):
             if result is not RUN_AGAIN and not future.done():
                 future.set_result(result)
+                if self.key is not None:
+                    self._answered_at[self.key(item)] = answered

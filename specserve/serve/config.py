@@ -60,6 +60,10 @@ class PoolArgs(_DeploymentArgs):
     # Continuous batching: calls that arrive while a forward pass runs join the next one.
     max_batch_size: int = Field(16, ge=1, le=1024)
     batch_wait_timeout_s: float = Field(0.002, ge=0, le=1)
+    batch_join_fraction: float = Field(
+        0.5, ge=0, le=1, description="a pass may wait up to this share of a pass for calls of requests "
+        "due back (answered in an earlier pass, expected from their usual return time), so streams "
+        "share passes instead of splitting into alternating half-full ones; 0 turns it off")
     # Ray Serve deployment options, passed through.
     num_replicas: int | Literal["auto"] | None = None
     autoscaling_config: dict[str, Any] | None = None
@@ -113,12 +117,25 @@ class TypicalArgs(_Strict):
     posterior_alpha: float = Field(TypicalAcceptance.posterior_alpha, gt=0, le=1)
 
 
+class NgramArgs(_Strict):
+    """Prompt lookup (proposer `ngram`, and the fallback while a draft pool is down)."""
+
+    max_n: int = Field(3, ge=1, le=16, description="longest n-gram looked up (tried first)")
+    min_n: int = Field(1, ge=1, le=16, description="shortest n-gram looked up")
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min_n > self.max_n:
+            raise ValueError(f"ngram.min_n ({self.min_n}) must not exceed ngram.max_n ({self.max_n})")
+        return self
+
+
 class SpeculationArgs(_Strict):
     """Deployment-wide defaults; a request may override any of proposer, shape, k, tree and
     acceptance (`"speculation"` in the request body)."""
 
     proposer: Literal[PROPOSERS] = Field("draft", description="none | draft (a draft pool) | medusa (heads on "  # type: ignore[valid-type]
-                                         "the target, co-located)")
+                                         "the target, co-located) | ngram (prompt lookup, no model)")
     shape: Literal[SHAPES] = Field("chain", description="chain (k tokens) | tree (dynamic, or static "  # type: ignore[valid-type]
                                    "when tree.shape is set)")
     k: int = Field(4, ge=0, le=MAX_K, description="chain length")
@@ -129,11 +146,12 @@ class SpeculationArgs(_Strict):
     policy: Literal[POLICIES] = Field("adaptive", description="adaptive (load-aware: each round drafts 0..k "  # type: ignore[valid-type]
                                       "levels, whichever the measured acceptance and pool load say is fastest) "
                                       "| fixed (k levels every round)")
+    ngram: NgramArgs = Field(default_factory=NgramArgs)
     draft_min_confidence: float = Field(0.5, ge=0, le=1)
     draft_top_m: int = Field(256, ge=1)
-    # A draft pool slower than this for a round is skipped: the round runs target-only.
+    # A draft pool slower than this for a round is skipped: the round drafts by prompt lookup.
     draft_timeout_s: float = Field(5.0, gt=0)
-    # After a draft failure, rounds run target-only for this long before trying the draft again.
+    # After a draft failure, rounds draft by prompt lookup for this long before trying the pool again.
     draft_retry_after_s: float = Field(2.0, ge=0)
 
     @model_validator(mode="before")

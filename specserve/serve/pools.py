@@ -107,7 +107,9 @@ class _Pool:
         self._released: OrderedDict[str, float] = OrderedDict()
         self.batcher = ContinuousBatcher(lambda requests: self._run(self._batch_fn(), requests),
                                          max_batch_size=pool_args["max_batch_size"],
-                                         wait_s=pool_args["batch_wait_timeout_s"])
+                                         wait_s=pool_args["batch_wait_timeout_s"],
+                                         key=lambda request: request.request_id,
+                                         join_fraction=pool_args["batch_join_fraction"])
         logger.info("%s ready: %s in %.1f s", type(self).__name__, pool_args["model"], time.monotonic() - started)
 
     def _batch_fn(self):
@@ -154,6 +156,7 @@ class _Pool:
         return uncached, chunks
 
     async def release(self, request_id: str) -> bool:
+        self.batcher.forget(request_id)
         return await asyncio.to_thread(self._locked_release, request_id)
 
     def _locked_release(self, request_id: str) -> bool:
