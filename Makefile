@@ -8,7 +8,7 @@ DEFAULT_MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # Ray 2.60 turns token auth on by default; a local single-user cluster does not need it.
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup models heads serve generate test test-fast bench bench-vllm bench-batch bench-medusa bench-http bench-adaptive bench-quick bench-full vllm-env clean
+.PHONY: setup models heads serve generate test test-fast bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-adaptive bench-quick bench-full vllm-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -76,6 +76,10 @@ bench-medusa: models
 # Service mode: `serve run manifests/local.yaml`, HTTP at 1 and 4 streams, speculation off and on.
 bench-http: models
 	$(VENV)/bin/specserve bench --preset http
+
+# Prompt lookup against transformers' prompt lookup, batch 1, HumanEval (about 20 minutes).
+bench-ngram: models
+	$(VENV)/bin/specserve bench --preset ngram --out bench-results/ngram
 
 # Load-aware speculation: off / always on / adaptive at 1-16 streams, code and chat (about an hour).
 bench-adaptive: models

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from . import models
 from .models import ModelError, UnknownModelError
-from .protocol import SpecserveError, TreeSpec
+from .protocol import PROPOSERS, SpecserveError, TreeSpec
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # a model error: download, integrity, conversion ...
@@ -128,8 +128,9 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--prompt", action="append", required=True,
                    help="prompt text; repeat to decode several prompts as one batch")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the target's chat template")
-    p.add_argument("--proposer", choices=["none", "draft", "medusa"],
-                   help="where drafts come from (default: draft with --draft, medusa with --heads, else none)")
+    p.add_argument("--proposer", choices=list(PROPOSERS),
+                   help="where drafts come from: ngram = prompt lookup, no model (default: draft with --draft, "
+                        "medusa with --heads, else none)")
     p.add_argument("--shape", choices=["chain", "tree"], help="a chain of -k tokens (default) or a token tree")
     p.add_argument("--method", choices=["draft", "tree", "none"],
                    help="older spelling: draft = --proposer draft --shape chain, tree = --proposer draft --shape tree")

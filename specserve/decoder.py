@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from specserve.policy import LoadModel, SpeculationPolicy
 from specserve.proposers import Proposer
-from specserve.protocol import DRAFT_POOL_PROPOSERS, PoolLoad, SamplingParams, Speculation, SpecserveError, TreeSpec
+from specserve.proposers.ngram import NgramProposer
+from specserve.protocol import DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, PoolLoad, SamplingParams, Speculation, SpecserveError, TreeSpec
 from specserve.request_state import RequestState, SpecStats
 from specserve.verifier import Verifier
 
@@ -58,7 +59,8 @@ def measured_pass(worker, calls, run) -> tuple[list, PoolLoad]:
 
 class SpeculativeDecoder:
     """Speculative decoding in one process. `proposer` is a draft model's (proposer `draft`);
-    a verifier built with heads proposes itself (proposer `medusa`, co-located)."""
+    a verifier built with heads proposes itself (proposer `medusa`, co-located); prompt
+    lookup (proposer `ngram`) needs neither."""
 
     def __init__(
         self,
@@ -75,6 +77,7 @@ class SpeculativeDecoder:
     ):
         self.verifier = verifier
         self.proposer = proposer
+        self.ngram = NgramProposer()
         default = Speculation(proposer="draft" if proposer is not None
                               else "medusa" if verifier.heads is not None else "none")
         self.speculation = (speculation or default).overridden(method=method, k=k, tree=tree)
@@ -151,6 +154,7 @@ class SpeculativeDecoder:
                     s.finish_at_stop_string(self._decode)
             for s in [s for s in live if s.finished]:
                 self.verifier.release(s.request_id)
+                self.ngram.release(s.request_id)
                 if self.proposer is not None:
                     self.proposer.release(s.request_id)
             live = [s for s in live if not s.finished]
@@ -169,11 +173,13 @@ class SpeculativeDecoder:
     def _round(self, live: list[RequestState]) -> None:
         for s in live:
             s.plan_round(self.policy, self.load, batch=len(live))
-        drafting = [s.propose_request() for s in live if s.needs_proposer]
-        proposals = {}
-        if drafting:
-            proposed, load = measured_pass(self.proposer.worker, drafting, self.proposer.propose)
-            proposals = {p.request_id: p for p in proposed}
+        drafting = [(s.propose_request(), s.speculation.proposer) for s in live if s.needs_proposer]
+        pooled = [r for r, proposer in drafting if proposer in DRAFT_POOL_PROPOSERS]
+        proposals = {p.request_id: p for p in self.ngram.propose([r for r, proposer in drafting
+                                                                  if proposer in LOCAL_PROPOSERS])}
+        if pooled:
+            proposed, load = measured_pass(self.proposer.worker, pooled, self.proposer.propose)
+            proposals.update((p.request_id, p) for p in proposed)
             self.load.observe_draft(load.batch_tokens, load.step_s)
         verify = [s.verify_request(proposals.get(s.request_id) or s.proposal_in_hand()) for s in live]
         results, load = measured_pass(self.verifier.worker, verify, self.verifier.verify)

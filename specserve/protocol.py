@@ -15,9 +15,10 @@ MAX_K = 64  # longest draft chain / deepest tree accepted anywhere
 MAX_TREE_NODES = 256  # largest draft tree accepted anywhere
 
 # Speculation = proposer x shape. Proposers: where draft tokens come from.
-PROPOSERS = ("none", "draft", "medusa")
+PROPOSERS = ("none", "draft", "medusa", "ngram")
 DRAFT_POOL_PROPOSERS = ("draft",)  # need a separate draft model (a draft pool)
 HEAD_PROPOSERS = ("medusa",)  # heads on the target: co-located, proposed by the verify pass
+LOCAL_PROPOSERS = ("ngram",)  # no model: proposed where the token ids are (router, library decoder)
 # Shapes: a chain of k tokens, or a token tree (static when TreeSpec.shape is set, else dynamic).
 SHAPES = ("chain", "tree")
 # The method names before proposer and shape were separate, and what each one means now.
@@ -247,7 +248,8 @@ class Speculation:
     """What a request speculates with: a proposer and a shape.
 
     - proposer: `none` (target only), `draft` (a draft model in its own pool), `medusa`
-      (heads on the target, co-located: the verify pass also proposes the next round);
+      (heads on the target, co-located: the verify pass also proposes the next round),
+      `ngram` (prompt lookup: no model, proposed by the router itself);
     - shape: `chain` (k tokens in a row) or `tree` (`tree`: dynamic, or static when
       `tree.shape` lists paths of child ranks);
     - acceptance: `exact` (lossless, the default) or `typical` (Medusa's typical acceptance,
@@ -287,6 +289,12 @@ class Speculation:
     @property
     def co_located(self) -> bool:
         return self.proposer in HEAD_PROPOSERS
+
+    @property
+    def draft_cost(self) -> str:
+        """What drafting costs a round (specserve.policy.DRAFT_COSTS): a draft pool's steps,
+        heads riding on the target pass, or nothing."""
+        return "pool" if self.proposer in DRAFT_POOL_PROPOSERS else "co_located" if self.co_located else "free"
 
     @property
     def lossy(self) -> bool:

@@ -155,7 +155,7 @@ class RequestState:
             self.acceptance = policy.tracker(f"{spec.proposer}/{spec.shape}", spec.depth)
         current = spec.depth if self.policy_k is None else self.policy_k
         decision = policy.choose(self.acceptance, load, current=current, max_k=spec.depth, batch=batch,
-                                 draft_cost="co_located" if spec.co_located else "pool")
+                                 draft_cost=spec.draft_cost)
         self.policy_k = decision.k
         if decision.k == 0:
             self.acceptance.relax()
@@ -163,8 +163,8 @@ class RequestState:
 
     @property
     def needs_proposer(self) -> bool:
-        """Whether this round's draft comes from a separate proposer (a draft pool). Co-located
-        heads propose during the previous round's verify pass instead."""
+        """Whether this round's draft comes from a separate proposer (a draft pool, or the
+        n-gram lookup). Co-located heads propose during the previous round's verify pass instead."""
         return self.speculation.proposer != "none" and not self.speculation.co_located and self.round_k() > 0
 
     def propose_request(self) -> ProposeRequest:

@@ -155,6 +155,24 @@ def test_tree_speculation_per_request_equals_the_target_alone(client, reference)
         assert "".join(c.choices[0].text for c in stream) == expected
 
 
+def test_ngram_prompt_lookup_equals_the_target_alone(client, reference):
+    """Proposer `ngram`: drafted in the router from the request's own tokens (no pool call),
+    chain and tree, streaming and not."""
+    tokenizer, _, greedy_text, _ = reference
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+    expected = greedy_text(tokenizer.encode(prompt), 40)
+    for speculation in ({"proposer": "ngram", "k": 4}, {"proposer": "ngram", "shape": "tree",
+                                                         "tree": {"budget": 8, "depth": 4, "width": 2}}):
+        r = client.completions.create(model="smol", prompt=prompt, max_tokens=40, temperature=0,
+                                      extra_body={"speculation": speculation})
+        assert r.choices[0].text == expected
+        spec = r.usage.model_extra["speculation"]
+        assert spec["proposer"] == "ngram" and spec["num_accepted_tokens"] > 0
+        stream = client.completions.create(model="smol", prompt=prompt, max_tokens=40, temperature=0,
+                                           stream=True, extra_body={"speculation": speculation})
+        assert "".join(c.choices[0].text for c in stream) == expected
+
+
 def test_sampled_tree_requests_are_reproducible(client):
     runs = [client.completions.create(model="smol", prompt="Tell me a story:", max_tokens=24, temperature=0.9,
                                       seed=77, extra_body={"speculation": {"method": "tree"}}).choices[0].text

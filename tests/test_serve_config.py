@@ -18,7 +18,7 @@ MANIFESTS = sorted((Path(__file__).parent.parent / "manifests").glob("*.yaml"))
 
 
 def test_there_are_manifests():
-    assert {m.name for m in MANIFESTS} >= {"local.yaml", "local-medusa.yaml", "llama70b.yaml"}
+    assert {m.name for m in MANIFESTS} >= {"local.yaml", "local-medusa.yaml", "local-ngram.yaml", "llama70b.yaml"}
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
@@ -69,6 +69,10 @@ def test_ray_schema_and_args_reject_broken_manifests():
         AppArgs.model_validate({**args, "speculation": {"tree": {"budget": 0}}})
     with pytest.raises(ValidationError, match="not both"):
         AppArgs.model_validate({**args, "target": {**args["target"], "num_replicas": 2}})
+    with pytest.raises(ValidationError, match="must not exceed"):
+        AppArgs.model_validate({**args, "speculation": {"proposer": "ngram", "ngram": {"max_n": 2, "min_n": 3}}})
+    ngram = AppArgs.model_validate({**args, "draft": None, "speculation": {"proposer": "ngram"}})
+    assert ngram.speculation.spec().draft_cost == "free"  # no draft pool needed
 
 
 def test_kv_cache_is_a_memory_budget():

@@ -18,6 +18,7 @@ from specserve.benchmarks.systems import K, SERVED
 VS_VLLM = ["specserve none", f"specserve draft k={K}", "vllm none", f"vllm draft_model k={K}"]
 
 MEDUSA_TREE = {"budget": 16, "depth": 4, "width": 4, "min_score": 0.05}  # as deep as `make heads`' 4 heads
+NGRAM_TREE = {"budget": 16, "depth": 8, "width": 4}  # up to 4 earlier matches, 8 tokens each, merged
 
 PRESETS: dict[str, dict[str, Any]] = {
     "engine": {
@@ -56,6 +57,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                      ("medusa", {"shape": "tree", "tree": MEDUSA_TREE, "policy": "adaptive"})],
         "derive": {"from": "specserve medusa shape=tree budget=16 depth=4 width=4 min_score=0.05",
                    "budgets": [8, 16]},
+    },
+    "ngram": {
+        "help": "make bench-ngram: prompt lookup (chains of 4 and 8, a tree of up to 4 matches) against transformers' "
+                "prompt lookup (prompt_lookup_num_tokens=10) and both engines' target-only decoding, HumanEval",
+        "modes": ["library"], "workloads": ["code"], "prompts": 8, "max_tokens": 128, "batch_sizes": [1],
+        "repeats": 2, "systems": ["specserve *", "transformers target only", "transformers prompt lookup"],
+        "variants": [("none", {}), ("ngram", {"k": 4}), ("ngram", {"k": 8}),
+                     ("ngram", {"shape": "tree", "tree": NGRAM_TREE})],
     },
     "adaptive": {
         "help": "make bench-adaptive: service mode through manifests/local.yaml at 1, 2, 4, 8 and 16 streams on code "

@@ -30,8 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.policy import LoadModel, SpeculationPolicy
 from specserve.protocol import (
-    DRAFT_POOL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, VerifyRequest, VerifyResult,
+    DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, VerifyRequest, VerifyResult,
 )
+from specserve.proposers.ngram import NgramProposer
 from specserve.request_state import RequestState
 from specserve.serve.config import AppArgs
 from specserve.serve.openai_api import (
@@ -128,6 +129,9 @@ class Router:
         # Load-aware speculation: the policy, and the pools' load as their replies report it.
         self.policy = SpeculationPolicy()
         self.load = LoadModel()
+        # Prompt lookup runs here, on the token ids the router holds: proposer `ngram`, and the
+        # fallback while the draft pool is down.
+        self.ngram = NgramProposer(max_n=self.spec.ngram.max_n, min_n=self.spec.ngram.min_n)
         self._background: set[asyncio.Task] = set()  # asyncio keeps only weak references to tasks
 
     # ---- pool plumbing -------------------------------------------------------------------
@@ -146,15 +150,18 @@ class Router:
                 self._info = info
         return self._info
 
-    async def _propose(self, request: ProposeRequest) -> Proposal | None:
+    async def _propose(self, request: ProposeRequest, proposer: str) -> Proposal:
+        if proposer in LOCAL_PROPOSERS:
+            return self.ngram.propose_one(request)
         if self.draft is None or time.monotonic() < self._draft_down_until:
-            return None
+            return self.ngram.propose_one(request)
         try:
             return await asyncio.wait_for(self.draft.propose.remote(request), self.spec.draft_timeout_s)
-        except Exception as exc:  # any draft failure only costs speed: go target-only for a while
+        except Exception as exc:  # any draft failure only costs speed: prompt lookup for a while
             self._draft_down_until = time.monotonic() + self.spec.draft_retry_after_s
-            logger.warning("draft pool unavailable (%s: %s); running target-only rounds", type(exc).__name__, exc)
-            return None
+            logger.warning("draft pool unavailable (%s: %s); drafting by prompt lookup (ngram) for %.1f s",
+                           type(exc).__name__, exc, self.spec.draft_retry_after_s)
+            return self.ngram.propose_one(request)
 
     async def _verify(self, request: VerifyRequest) -> VerifyResult:
         deadline = time.monotonic() + self.args.router.target_retry_timeout_s
@@ -175,6 +182,7 @@ class Router:
             return
         state.released = True
         request_id = state.request_id
+        self.ngram.release(request_id)
 
         async def release(pool):
             try:
@@ -196,9 +204,9 @@ class Router:
             while not state.finished:
                 started = time.perf_counter()
                 state.plan_round(self.policy, self.load)
-                draft_call = state.needs_proposer
-                if draft_call:  # a draft pool's round
-                    proposal = await self._propose(state.propose_request())
+                draft_call = state.needs_proposer and state.speculation.draft_cost == "pool"
+                if state.needs_proposer:  # a draft pool's round, or prompt lookup
+                    proposal = await self._propose(state.propose_request(), state.speculation.proposer)
                 else:  # co-located heads proposed it in the previous verify pass (or no speculation)
                     proposal = state.proposal_in_hand()
                 verify = state.verify_request(proposal)
@@ -245,7 +253,7 @@ class Router:
 
     def _proposers(self) -> list[str]:
         """The proposers this deployment can serve."""
-        return ["none"] + (["draft"] if self.draft is not None else []) + (
+        return ["none", "ngram"] + (["draft"] if self.draft is not None else []) + (
             ["medusa"] if self.args.target.heads is not None else [])
 
     def _text(self, state: RequestState) -> str:
