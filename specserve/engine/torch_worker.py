@@ -20,12 +20,14 @@ copy returns the same logits.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import record_function
 
 from specserve.protocol import SpecserveError, TokenTree
@@ -34,6 +36,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 EMPTY_TREE = TokenTree()
 BLOCK_TOKENS = 16  # KV slots are handed out in blocks: less bookkeeping, consecutive slots
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+# On CUDA, attention without cuDNN's backend: with it (PyTorch's first choice on an H100, torch
+# 2.11) a batch-1 decode step, whose KV length changes every step, took 3-6x as long (95.8 ms
+# against 15.0, docs/bench/gpu-h100). Flash where it applies, else memory-efficient (masks).
+CUDA_ATTENTION_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 @dataclass
@@ -306,6 +312,8 @@ class TorchWorker:
         self._cache: OrderedDict[str, _CacheEntry] = OrderedDict()
         self._queued_prefill: dict[str, list[int]] = {}
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        # SDPA backends the passes may use; None: PyTorch's own choice (always on CPU)
+        self.attention_backends = list(CUDA_ATTENTION_BACKENDS) if self.device.type == "cuda" else None
         self.forward_passes = 0
         self.evictions = 0
 
@@ -506,7 +514,9 @@ class TorchWorker:
         if not plans:
             return []
         self._reserve(plans, ids | {rid for rid, _ in chunks})
-        out = self._forward(plans)
+        backends = sdpa_kernel(self.attention_backends) if self.attention_backends else contextlib.nullcontext()
+        with backends:
+            out = self._forward(plans)
         for item, p in zip(items, plans):
             p.entry.tokens = list(item.token_ids)
             p.entry.pending = item.tree if len(item.tree) else None
