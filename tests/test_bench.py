@@ -435,3 +435,18 @@ def test_profile_section_is_written_once_and_kept_when_the_page_is_rewritten(tmp
     assert "Before (old)" not in page
     section = profile.marked_section(page)
     assert section.startswith(profile.BEGIN) and section.endswith(profile.END)
+
+
+def test_service_runs_sum_the_policys_decisions_and_report_the_off_share():
+    from specserve.benchmarks.report import _service_rows
+
+    run = systems.ServiceRun("specserve draft k=4 policy=adaptive", "draft", "code", 4)
+    run.add_k_histogram({"0": 3, "4": 5})  # two requests' usage.speculation.k_histogram
+    run.add_k_histogram({"0": 1, "2": 1})
+    assert run.k_histogram == [4, 0, 1, 0, 5] and run.speculation_off_share == 0.4
+    run.wall_s, run.tokens, run.requests, run.target_steps = 1.0, 20, 2, 10
+    [_, _, row] = _service_rows([run.as_dict()])
+    assert row.endswith("| speculation off in 40% of rounds |")
+    off = systems.ServiceRun("specserve none", "none", "code", 4)
+    off.add_k_histogram({"0": 9})
+    assert off.speculation_off_share is None  # not a decision: nothing to decide

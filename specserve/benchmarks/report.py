@@ -218,8 +218,13 @@ def _service_rows(runs: list[dict]) -> list[str]:
             f"| {run['system']} | {run['concurrency']} | {run['throughput_tok_s']:.2f} "
             f"| {_f(run.get('speedup'), '{:.2f}x')} | {_sec(run.get('ttft_p50_s'))} | {_sec(run.get('ttft_p99_s'))} "
             f"| {_sec(run.get('itl_p50_s'))} | {_sec(run.get('itl_p99_s'))} | {_f(run.get('mean_accepted_length'))} "
-            f"| {overhead} | {same_text} | |")
+            f"| {overhead} | {same_text} | {_service_notes(run)} |")
     return rows
+
+
+def _service_notes(run: dict) -> str:
+    off = run.get("speculation_off_share")
+    return "" if off is None else f"speculation off in {100 * off:.0f}% of rounds"
 
 
 def _sec(value: float | None) -> str:

@@ -265,10 +265,24 @@ class ServiceRun:
     texts: list[str] = field(default_factory=list)
     speedup: float | None = None  # throughput over specserve none at the same concurrency
     same_as_reference: int | None = None  # outputs equal to specserve none's at the same concurrency
+    k_histogram: list[int] = field(default_factory=list)  # rounds per drafted depth, all requests
 
     @property
     def throughput(self) -> float:
         return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    def add_k_histogram(self, histogram: dict[str, int]) -> None:
+        """A request's `usage.speculation.k_histogram` ({depth: rounds})."""
+        for depth, rounds in histogram.items():
+            depth = int(depth)
+            self.k_histogram += [0] * (depth + 1 - len(self.k_histogram))
+            self.k_histogram[depth] += rounds
+
+    @property
+    def speculation_off_share(self) -> float | None:
+        """Share of rounds that drafted nothing (the load-aware policy's k = 0, and prefill rounds)."""
+        rounds = sum(self.k_histogram)
+        return self.k_histogram[0] / rounds if rounds and self.method != "none" else None
 
     @property
     def mean_accepted_length(self) -> float | None:
@@ -294,7 +308,8 @@ class ServiceRun:
     def as_dict(self) -> dict:
         data = asdict(self)
         data.update(throughput_tok_s=self.throughput, mean_accepted_length=self.mean_accepted_length,
-                    overhead_ms_per_round=self.overhead_ms_per_round, mismatch=self.mismatch)
+                    overhead_ms_per_round=self.overhead_ms_per_round, mismatch=self.mismatch,
+                    speculation_off_share=self.speculation_off_share)
         for name in ("ttft_s", "itl_s"):
             for q in (50, 99):
                 data[f"{name[:-2]}_p{q}_s"] = self.percentile(name, q)
