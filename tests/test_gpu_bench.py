@@ -23,6 +23,16 @@ def test_gpu_benchmark_runs_tiny_on_cpu_and_speculation_is_exact_in_float32(tmp_
     assert timing["bare_step_vs_engine"]["same_argmax"]
     assert [r["case"] for r in results["end_to_end"]][:1] == ["target only"]
     assert "Random weights" in (tmp_path / "results.md").read_text()
+    graphs = results["graphs"]  # on a CPU: the static-shape passes, uncaptured
+    for row in graphs["exactness"]["decode_steps"]:
+        assert row["same_argmax"] and row["max_abs_logit_diff"] < 1e-4, row
+        assert row["graph_worker"]["uncaptured_static_passes"] == row["steps"], row
+    for row in graphs["exactness"]["greedy"]:
+        assert row["vs_eager_target_only"]["identical"] == row["vs_eager_target_only"]["of"], row
+    assert set(graphs["timing"]["decode"]) == {"1", "4"}
+    assert [(r["case"], r["mode"]) for r in graphs["end_to_end"]][:2] == [("target only", "eager"),
+                                                                          ("target only", "graph")]
+    assert "CUDA graphs" in (tmp_path / "results.md").read_text()
 
 
 def test_trees_the_benchmark_verifies_are_what_their_names_say():

@@ -18,6 +18,9 @@ It writes, to --out, results.json (every number) and results.md (the tables):
   the same shapes: how much of the engine's step is Python and kernel-launch overhead;
 - end-to-end tokens/s at batch 1: target only against draft k=4 (random draft, self draft);
 - profile.txt: torch.profiler tables of one batch-1 decode step, the engine's and transformers'.
+- graphs (--phases graphs): the engine's CUDA-graph path (specserve.engine.cuda_graphs) against
+  its eager ragged pass: float32 logits and greedy outputs, bfloat16 decode steps and a chain
+  verify pass, end to end. On a CPU the same static-shape passes run uncaptured.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class Plan:
         self.warmup = 1 if tiny else 3
         self.tree_sizes = (8, 16)
         self.e2e_tokens = 12 if tiny else 128
+        self.exact_steps = 4 if tiny else 16
 
 
 def log(message: str, started=[time.perf_counter()]) -> None:  # noqa: B006 (the run's start time)
@@ -466,6 +470,193 @@ def time_end_to_end(models: dict, plan: Plan, *, device: str) -> list[dict]:
     return rows
 
 
+# ---- CUDA graphs ------------------------------------------------------------------------
+
+GRAPH_CASES = ("target only", "self chain k=4", "draft chain k=4")
+
+
+def eager_worker(model):
+    """The engine's ragged pass, every pass eager."""
+    from specserve.engine.torch_worker import TorchWorker
+
+    return TorchWorker(model, cuda_graphs=False)
+
+
+def graph_worker(model, device: str):
+    """Small passes replayed as CUDA graphs; on a CPU the same static-shape passes, uncaptured."""
+    from specserve.engine.cuda_graphs import StaticPasses
+    from specserve.engine.torch_worker import TorchWorker
+
+    if device.startswith("cuda"):
+        return TorchWorker(model, cuda_graphs=True)
+    worker = TorchWorker(model, cuda_graphs=False)
+    worker.static_passes = StaticPasses(worker, capture=False)
+    return worker
+
+
+def static_pass_stats(worker) -> dict:
+    passes = worker.static_passes
+    return {"replays": passes.replays, "uncaptured_static_passes": passes.eager_passes,
+            "shapes_captured": [vars(s) for s in passes.shapes_captured], "capture_error": passes.capture_error,
+            "all_passes": worker.forward_passes}
+
+
+def compare_decode_steps(model, batch: int, plan: Plan, *, device: str) -> dict:
+    """The same decode steps through an eager and a graph worker (the eager argmax feeds both):
+    the largest logit and hidden-state differences, and whether every argmax agrees."""
+    from specserve.engine.torch_worker import ForwardItem
+
+    eager, graphed = eager_worker(model), graph_worker(model, device)
+    sequences = random_prompts(batch, plan.exact_prompt_len, model.config.vocab_size, seed=80 + batch)
+    names = [f"exact-{batch}-{i}" for i in range(batch)]
+    logit_diff = hidden_diff = 0.0
+    same_argmax = True
+    for _ in range(plan.exact_steps + 1):  # a prefill, then decode steps
+        items = [ForwardItem(n, list(s)) for n, s in zip(names, sequences)]
+        for s, e, g in zip(sequences, eager.run(items), graphed.run(items)):
+            logit_diff = max(logit_diff, float((e.logits.float() - g.logits.float()).abs().max()))
+            hidden_diff = max(hidden_diff, float((e.hidden.float() - g.hidden.float()).abs().max()))
+            same_argmax &= bool((e.logits.argmax(-1) == g.logits.argmax(-1)).all())
+            s.append(int(e.logits[-1].argmax()))
+    return {"batch": batch, "steps": plan.exact_steps, "max_abs_logit_diff": logit_diff,
+            "max_abs_hidden_diff": hidden_diff, "same_argmax": same_argmax, "graph_worker": static_pass_stats(graphed)}
+
+
+def check_graph_exactness(models: dict, plan: Plan, *, device: str) -> dict:
+    """float32: decode-step logits against the eager pass, and greedy outputs (target only,
+    self chain k=4, draft chain k=4) over graph workers against eager target-only output."""
+    from specserve.protocol import SamplingParams
+
+    target, draft = models["target"], models["draft"]
+    out = {"dtype": "float32", "decode_steps": [compare_decode_steps(target, b, plan, device=device)
+                                                for b in plan.batches]}
+    for row in out["decode_steps"]:
+        log(f"graphs exactness, batch {row['batch']:2d}: max |logit diff| {row['max_abs_logit_diff']:.2e}, "
+            f"max |hidden diff| {row['max_abs_hidden_diff']:.2e}, same argmax {row['same_argmax']}, "
+            f"{row['graph_worker']['replays']} replays, capture error {row['graph_worker']['capture_error']}")
+    prompts = random_prompts(plan.exact_prompts, plan.exact_prompt_len, target.config.vocab_size, seed=1)
+    params = SamplingParams(max_tokens=plan.exact_tokens)
+    max_context = target.config.max_position_embeddings
+    specs = {case: (source, spec) for case, source, spec in speculations()}
+    reference = [g.token_ids for g in make_decoder(eager_worker(target), speculation=specs["target only"][1],
+                                                   max_context=max_context).generate(prompts, params)]
+    out["greedy"] = []
+    for case in GRAPH_CASES:
+        source, spec = specs[case]
+        target_worker = graph_worker(target, device)
+        proposer = {"self": target, "draft": draft}.get(source)
+        decoder = make_decoder(target_worker, graph_worker(proposer, device) if proposer is not None else None,
+                               speculation=spec, max_context=max_context)
+        outputs = [g.token_ids for g in decoder.generate(prompts, params)]
+        out["greedy"].append({"case": case, "vs_eager_target_only": compare_outputs(outputs, reference),
+                              "mean_accepted_length": round(decoder.last_report.stats.mean_accepted_length, 3),
+                              "target_worker": static_pass_stats(target_worker)})
+        log(f"graphs exactness, {case}: = eager target only "
+            f"{out['greedy'][-1]['vs_eager_target_only']['identical']}/{len(prompts)}")
+    return out
+
+
+def time_graphs(models: dict, plan: Plan, *, device: str) -> dict:
+    """bfloat16 decode steps and a batch-1 chain verify pass (4 drafts), eager against graph."""
+    target = models["target"]
+    out = {"dtype": "bfloat16", "context": plan.context, "decode": {}, "verify_chain_4": {}, "kernels": {},
+           "graph_worker": None}
+    for mode in ("eager", "graph"):
+        worker = eager_worker(target) if mode == "eager" else graph_worker(target, device)
+        for batch in plan.batches:
+            step = engine_decode_stepper(worker, batch, plan.context, seed=10 + batch)
+            stats = summarize_ms(timed(step, repeats=plan.steps, warmup=plan.warmup, device=device))
+            stats["tokens_per_s"] = round(batch * 1e3 / stats["median_ms"], 1)
+            out["decode"].setdefault(batch, {})[mode] = stats
+            log(f"graphs timing, {mode:5s} decode step, batch {batch:2d}: {stats['median_ms']:.2f} ms")
+        verify = engine_verify_pass(worker, chain_tree(4), plan.context, seed=24)
+        out["verify_chain_4"][mode] = summarize_ms(timed(verify, repeats=plan.steps, warmup=plan.warmup,
+                                                         device=device))
+        log(f"graphs timing, {mode:5s} chain verify (5 tokens), batch 1: "
+            f"{out['verify_chain_4'][mode]['median_ms']:.2f} ms")
+        out["kernels"][mode] = kernels_per_call(engine_decode_stepper(worker, 1, plan.context, seed=50), device)
+        if mode == "graph":
+            out["graph_worker"] = static_pass_stats(worker)
+    return out
+
+
+def time_graphs_end_to_end(models: dict, plan: Plan, *, device: str) -> list[dict]:
+    """Batch 1 tokens/s, eager against graph workers; each case runs once in full to warm up
+    (the graphs of its shapes are captured then), then again timed."""
+    from specserve.protocol import SamplingParams
+
+    target = models["target"]
+    specs = {case: (source, spec) for case, source, spec in speculations()}
+    prompts = random_prompts(1, plan.context, target.config.vocab_size, seed=40)
+    params = SamplingParams(max_tokens=plan.e2e_tokens)
+    rows, baseline = [], None
+    for case in GRAPH_CASES:
+        source, spec = specs[case]
+        for mode in ("eager", "graph"):
+            if source == "draft" and mode == "eager":
+                continue  # a random draft accepts nothing: 7.8 tok/s eager (results.md), slow to rerun
+            make = eager_worker if mode == "eager" else (lambda m: graph_worker(m, device))
+            proposer = {"self": target, "draft": models["draft"]}.get(source)
+            decoder = make_decoder(make(target), make(proposer) if proposer is not None else None, speculation=spec,
+                                   max_context=target.config.max_position_embeddings)
+            decoder.generate(prompts, params)  # warm
+            synchronize(device)
+            [generation] = decoder.generate(prompts, params)
+            report = decoder.last_report
+            baseline = baseline or report.tokens_per_second
+            rows.append({"case": case, "mode": mode, "tokens_per_s": round(report.tokens_per_second, 1),
+                         "vs_eager_target_only": round(report.tokens_per_second / baseline, 2),
+                         "mean_accepted_length": round(report.stats.mean_accepted_length, 2),
+                         "tokens": len(generation.token_ids)})
+            log(f"graphs end to end, {case:16s} {mode:5s}: {rows[-1]['tokens_per_s']} tok/s "
+                f"({rows[-1]['vs_eager_target_only']}x), accepted length {rows[-1]['mean_accepted_length']}")
+    return rows
+
+
+def static_passes_note(stats: dict) -> str:
+    """Static passes run: replays on a GPU, uncaptured passes on a CPU; and a capture failure."""
+    note = str(stats["replays"] or stats["uncaptured_static_passes"])
+    return note + (f" (capture failed: {stats['capture_error']})" if stats["capture_error"] else "")
+
+
+def graphs_markdown(graphs: dict) -> list[str]:
+    lines = ["## CUDA graphs (specserve.engine.cuda_graphs) against the eager ragged pass", ""]
+    exact = graphs.get("exactness")
+    if exact:
+        lines += ["float32, the same decode steps through both workers:", "",
+                  "| batch | steps | max abs logit diff | max abs hidden diff | same argmax | replays |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['steps']} | {r['max_abs_logit_diff']:.2e} | {r['max_abs_hidden_diff']:.2e} | "
+                  f"{r['same_argmax']} | {static_passes_note(r['graph_worker'])} |" for r in exact["decode_steps"]]
+        lines += ["", "| float32 greedy, graph workers | = eager target only | accepted length |", "|---|---|---|"]
+        for r in exact["greedy"]:
+            same = r["vs_eager_target_only"]
+            lines.append(f"| {r['case']} | {same['identical']}/{same['of']} {mismatch_note(same)} | "
+                         f"{r['mean_accepted_length']} |")
+        lines.append("")
+    timing = graphs.get("timing")
+    if timing:
+        lines += [f"{timing['dtype']}, context {timing['context']} tokens, median ms:", "",
+                  "| pass | eager | graph | eager tok/s | graph tok/s |", "|---|---|---|---|---|"]
+        for batch, row in timing["decode"].items():
+            lines.append(f"| decode step, batch {batch} | {cell(row.get('eager'))} | {cell(row.get('graph'))} | "
+                         f"{row['eager']['tokens_per_s']} | {row['graph']['tokens_per_s']} |")
+        v = timing["verify_chain_4"]
+        lines.append(f"| chain verify (4 drafts, 5 tokens), batch 1 | {cell(v.get('eager'))} | "
+                     f"{cell(v.get('graph'))} | - | - |")
+        lines += ["", "| one batch-1 decode step | CUDA kernels | GPU busy ms |", "|---|---|---|"]
+        lines += [f"| {mode} | {k.get('kernels', '-')} | {k.get('gpu_busy_ms', k.get('error', '-'))} |"
+                  for mode, k in timing["kernels"].items() if k]
+        lines += ["", f"Graph worker: {timing['graph_worker']}", ""]
+    if graphs.get("end_to_end"):
+        lines += ["End to end, batch 1, bfloat16:", "",
+                  "| case | mode | tok/s | vs eager target only | accepted length |", "|---|---|---|---|---|"]
+        lines += [f"| {r['case']} | {r['mode']} | {r['tokens_per_s']} | {r['vs_eager_target_only']}x | "
+                  f"{r['mean_accepted_length']} |" for r in graphs["end_to_end"]]
+        lines.append("")
+    return lines
+
+
 # ---- report -----------------------------------------------------------------------------
 
 def machine(device: str) -> dict:
@@ -525,6 +716,8 @@ def markdown(results: dict) -> str:
         lines += [f"| {r['case']} | {r['tokens_per_s']} | {r['speedup']}x | {r['mean_accepted_length']} |"
                   for r in results["end_to_end"]]
         lines.append("")
+    if results.get("graphs"):
+        lines += graphs_markdown(results["graphs"])
     return "\n".join(lines)
 
 
@@ -589,8 +782,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
-    parser.add_argument("--phases", nargs="+", default=["exactness", "timing", "end_to_end", "profile"],
-                        choices=["exactness", "timing", "end_to_end", "profile"])
+    parser.add_argument("--phases", nargs="+", default=["exactness", "timing", "end_to_end", "profile", "graphs"],
+                        choices=["exactness", "timing", "end_to_end", "profile", "graphs"])
     parser.add_argument("--compile", action="store_true",
                         help="also time transformers under torch.compile(mode='reduce-overhead') (minutes)")
     args = parser.parse_args(argv)
@@ -605,8 +798,17 @@ def main(argv: list[str] | None = None) -> int:
             results["exactness"] += check_exactness(load_models(dtype, tiny=args.tiny, device=device), dtype, plan,
                                                     device=device)
             write(args.out, results)
-    if {"timing", "end_to_end", "profile"} & set(args.phases):
+    if "graphs" in args.phases:
+        results["graphs"] = {"exactness": check_graph_exactness(load_models(torch.float32, tiny=args.tiny,
+                                                                            device=device), plan, device=device)}
+        write(args.out, results)
+    if {"timing", "end_to_end", "profile", "graphs"} & set(args.phases):
         models = load_models(torch.bfloat16, tiny=args.tiny, device=device)
+        if "graphs" in args.phases:
+            results["graphs"]["timing"] = time_graphs(models, plan, device=device)
+            write(args.out, results)
+            results["graphs"]["end_to_end"] = time_graphs_end_to_end(models, plan, device=device)
+            write(args.out, results)
         if "timing" in args.phases:
             results["timing"] = run_timing(models, plan, device=device,
                                            save=lambda timing: write(args.out, {**results, "timing": timing}))

@@ -40,6 +40,8 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 # 2.11) a batch-1 decode step, whose KV length changes every step, took 3-6x as long (95.8 ms
 # against 15.0, docs/bench/gpu-h100). Flash where it applies, else memory-efficient (masks).
 CUDA_ATTENTION_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+# Small passes (decode, chain verify) replayed as CUDA graphs by default on CUDA; see cuda_graphs.py.
+CUDA_GRAPHS_BY_DEFAULT = True
 
 
 @dataclass
@@ -273,10 +275,13 @@ class TorchWorker:
     tokens. prepack: oneDNN-prepacked linears (default: on CPU when available). Prepacking
     copies the weights it packs; `release_model_weights` then frees the model's own copies of
     the projections (the model's forward can no longer be used; the embedding, norms and
-    lm_head stay, heads read them)."""
+    lm_head stay, heads read them). cuda_graphs: run decode and chain-verify passes of up to 16
+    requests as static-shape passes replayed as CUDA graphs (specserve.engine.cuda_graphs);
+    default: on CUDA devices (CUDA_GRAPHS_BY_DEFAULT), never on CPU."""
 
     def __init__(self, model, *, kv_cache_bytes: int | None = None, max_cached_tokens: int | None = None,
-                 vocab_size: int | None = None, prepack: bool | None = None, release_model_weights: bool = False):
+                 vocab_size: int | None = None, prepack: bool | None = None, release_model_weights: bool = False,
+                 cuda_graphs: bool | None = None):
         config = model.config
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -316,6 +321,15 @@ class TorchWorker:
         self.attention_backends = list(CUDA_ATTENTION_BACKENDS) if self.device.type == "cuda" else None
         self.forward_passes = 0
         self.evictions = 0
+        if cuda_graphs is None:
+            cuda_graphs = CUDA_GRAPHS_BY_DEFAULT and self.device.type == "cuda"
+        if cuda_graphs and self.device.type != "cuda":
+            raise SpecserveError(f"cuda_graphs needs a CUDA device, not {self.device}")
+        self.static_passes = None  # a StaticPasses: passes that fit a static shape run there
+        if cuda_graphs:
+            from specserve.engine.cuda_graphs import StaticPasses
+
+            self.static_passes = StaticPasses(self, capture=True)
 
     def _layer(self, layer) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -516,7 +530,9 @@ class TorchWorker:
         self._reserve(plans, ids | {rid for rid, _ in chunks})
         backends = sdpa_kernel(self.attention_backends) if self.attention_backends else contextlib.nullcontext()
         with backends:
-            out = self._forward(plans)
+            out = self.static_passes.forward(plans) if self.static_passes is not None else None
+            if out is None:
+                out = self._forward(plans)
         for item, p in zip(items, plans):
             p.entry.tokens = list(item.token_ids)
             p.entry.pending = item.tree if len(item.tree) else None

@@ -68,7 +68,8 @@ def default_engine(pool_args: dict[str, Any]):
     set_torch_threads(pool_args.get("torch_threads") or _cpus_of_this_replica())
     model = models.load_causal_lm(pool_args["model"], dtype=pool_args["dtype"], device=pool_args["device"])
     # The replica owns the model: the projections' own copies go once they are prepacked.
-    return TorchWorker(model, kv_cache_bytes=int(pool_args["kv_cache_memory"]), release_model_weights=True)
+    return TorchWorker(model, kv_cache_bytes=int(pool_args["kv_cache_memory"]), release_model_weights=True,
+                       cuda_graphs=pool_args.get("cuda_graphs"))
 
 
 def _cpus_of_this_replica() -> int:

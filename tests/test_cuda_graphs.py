@@ -1,0 +1,188 @@
+"""The static-shape passes that CUDA graphs replay, run eagerly on the CPU: the same logits and
+hidden states as the ragged pass, greedy speculation still exact, and the passes that cannot
+take a static shape (prefill, trees) left to the ragged pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_greedy, perturbed, tiny_model
+from specserve.engine.cuda_graphs import (MIN_CONTEXT, Shape, StaticPasses, bucket, context_bucket,
+                                          static_shape)
+from specserve.engine.torch_worker import ForwardItem, TorchWorker
+from specserve.protocol import SpecserveError, TokenTree
+
+ATOL = 1e-5
+
+
+def static_worker(model, **kwargs) -> TorchWorker:
+    """A worker whose fitting passes run the static-shape pass, uncaptured."""
+    worker = TorchWorker(model, **kwargs)
+    worker.static_passes = StaticPasses(worker, capture=False, max_context=512)
+    return worker
+
+
+def random_sequences(lengths, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 97, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model(request):
+    return tiny_model(request.param, seed=5)
+
+
+def assert_same_rows(static_rows, ragged_rows):
+    assert len(static_rows) == len(ragged_rows)
+    for s, r in zip(static_rows, ragged_rows):
+        assert s.logits.shape == r.logits.shape and s.hidden.shape == r.hidden.shape
+        assert torch.allclose(s.logits, r.logits, atol=ATOL), float((s.logits - r.logits).abs().max())
+        assert torch.allclose(s.hidden, r.hidden, atol=ATOL), float((s.hidden - r.hidden).abs().max())
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5])
+def test_decode_steps_equal_the_ragged_pass(model, batch):
+    sequences = random_sequences([12 + 37 * i for i in range(batch)], seed=batch)
+    names = [f"r{i}" for i in range(batch)]
+    static, ragged = static_worker(model), TorchWorker(model)
+    for step in range(4):  # a prefill (ragged in both), then decode steps (static in one)
+        items = [ForwardItem(n, list(s)) for n, s in zip(names, sequences)]
+        static_rows, ragged_rows = static.run(items), ragged.run(items)
+        assert_same_rows(static_rows, ragged_rows)
+        for s, rows in zip(sequences, ragged_rows):
+            s.append(int(rows.logits[-1].argmax()))
+    assert static.static_passes.eager_passes == 3
+
+
+def test_contexts_past_the_first_bucket_and_past_the_limit(model):
+    [sequence] = random_sequences([MIN_CONTEXT - 2], seed=7)
+    static, ragged = static_worker(model), TorchWorker(model)
+    for _ in range(4):  # crosses from the 256-position bucket into the 512 one
+        item = [ForwardItem("r", list(sequence))]
+        assert_same_rows(static.run(item), ragged.run(item))
+        sequence.append(3)
+    assert static.static_passes.eager_passes == 3
+    long = random_sequences([520], seed=8)[0]  # past max_context (512): ragged
+    static.run([ForwardItem("long", long)])
+    passes = static.static_passes.eager_passes
+    assert_same_rows(static.run([ForwardItem("long", long + [5])]), ragged.run([ForwardItem("long", long + [5])]))
+    assert static.static_passes.eager_passes == passes
+
+
+def test_chain_verify_passes_of_mixed_lengths_equal_the_ragged_pass(model):
+    sequences = random_sequences([9, 30, 17], seed=11)
+    names = ["a", "b", "c"]
+    static, ragged = static_worker(model), TorchWorker(model)
+    for worker in (static, ragged):
+        worker.run([ForwardItem(n, s) for n, s in zip(names, sequences)])
+    # chains of 4, 1 and no drafts: 5, 2 and 1 new tokens per request, padded to 8
+    chains = [TokenTree.chain([1, 2, 3, 4]), TokenTree.chain([7]), TokenTree()]
+    items = [ForwardItem(n, s, c) for n, s, c in zip(names, sequences, chains)]
+    assert_same_rows(static.run(items), ragged.run(items))
+    assert static.static_passes.eager_passes == 1
+    # next round: part of each chain accepted plus a bonus token (several uncached tokens)
+    accepted = [sequences[0] + [1, 2, 9], sequences[1] + [7, 8], sequences[2] + [4]]
+    items = [ForwardItem(n, s, TokenTree.chain([5, 6])) for n, s in zip(names, accepted)]
+    assert_same_rows(static.run(items), ragged.run(items))
+    assert static.static_passes.eager_passes == 2
+
+
+def test_a_drafts_chain_extensions_equal_the_ragged_pass(model):
+    """A draft grows its chain one node per pass (logits_from): the nodes already fed stay
+    cached, and each pass feeds one new node."""
+    [sequence] = random_sequences([20], seed=12)
+    static, ragged = static_worker(model), TorchWorker(model)
+    for worker in (static, ragged):
+        worker.run([ForwardItem("d", sequence)])
+    for depth in range(1, 4):
+        item = [ForwardItem("d", sequence, TokenTree.chain(list(range(10, 10 + depth))), logits_from=depth - 1)]
+        assert_same_rows(static.run(item), ragged.run(item))
+    assert static.static_passes.eager_passes == 3
+
+
+def test_trees_and_prefill_chunks_run_the_ragged_pass(model):
+    sequences = random_sequences([12, 40], seed=13)
+    static, ragged = static_worker(model), TorchWorker(model)
+    tree = TokenTree((11, 12, 13), (-1, -1, 0))
+    for worker in (static, ragged):
+        worker.run([ForwardItem("a", sequences[0])])
+        worker.queue_prefill("b", sequences[1])
+    items = [ForwardItem("a", sequences[0], tree)]
+    assert_same_rows(static.run(items), ragged.run(items))  # a tree, and a prefill chunk
+    items = [ForwardItem("a", sequences[0] + [11, 13])]  # the tree's path 11, 13 accepted
+    assert_same_rows(static.run(items), ragged.run(items))
+    assert static.static_passes.eager_passes == 1  # only the last pass
+    assert static.cached_tokens("b") == sequences[1]
+
+
+def test_greedy_speculation_over_static_passes_equals_target_only_output(model):
+    from specserve.decoder import SpeculativeDecoder
+    from specserve.proposers.draft_model import DraftModelProposer
+    from specserve.protocol import SamplingParams
+    from specserve.verifier import Verifier
+
+    draft = perturbed(model, scale=0.05)
+    target_worker, draft_worker = static_worker(model), static_worker(draft)
+    decoder = SpeculativeDecoder(Verifier(target_worker), DraftModelProposer(draft_worker, min_confidence=0.0),
+                                 k=3, method="draft", max_context=model.config.max_position_embeddings)
+    prompts = random_sequences([6, 15, 9], seed=14)
+    outputs = [g.token_ids for g in decoder.generate(prompts, SamplingParams(max_tokens=20))]
+    assert outputs == [hf_greedy(model, p, 20) for p in prompts]
+    assert decoder.last_report.stats.mean_accepted_length > 1  # drafts were accepted
+    assert target_worker.static_passes.eager_passes > 0 and draft_worker.static_passes.eager_passes > 0
+
+
+def test_shapes_are_bucketed():
+    assert [bucket(n, (1, 2, 4, 8, 16)) for n in (1, 3, 5, 16, 17)] == [1, 4, 8, 16, None]
+    assert [context_bucket(n, 8192) for n in (1, 256, 257, 8192, 8193)] == [256, 256, 512, 8192, None]
+
+
+def test_shape_of_a_pass():
+    worker = TorchWorker(tiny_model(seed=1))
+    plans = [worker._plan(ForwardItem(f"r{i}", [1] * (3 + i))) for i in range(3)]
+    assert static_shape(plans, max_context=512) == Shape(batch=4, tokens=8, context=256)  # short prompts
+    assert static_shape(plans + [worker._plan(ForwardItem("long", [1] * 9))], max_context=512) is None
+    worker._reserve(plans, {"r0", "r1", "r2"})
+    for i, plan in enumerate(plans):
+        plan.entry.tokens = [1] * (3 + i)
+    plans = [worker._plan(ForwardItem(f"r{i}", [1] * (4 + i))) for i in range(3)]
+    assert static_shape(plans, max_context=512) == Shape(batch=4, tokens=1, context=256)
+    tree = worker._plan(ForwardItem("r0", [1] * 4, TokenTree((5, 6), (-1, -1))))
+    assert static_shape([tree], max_context=512) is None
+    assert Shape(4, 2, 256).rows == 8
+
+
+def test_cuda_graphs_are_off_on_cpu_and_refused_there():
+    model = tiny_model(seed=2)
+    assert TorchWorker(model).static_passes is None
+    with pytest.raises(SpecserveError, match="CUDA device"):
+        TorchWorker(model, cuda_graphs=True)
+
+
+def test_scratch_slots_belong_to_no_request():
+    model = tiny_model(seed=2)
+    worker = TorchWorker(model, max_cached_tokens=16 * 12)
+    free = worker.kv.free_blocks
+    passes = StaticPasses(worker, capture=False)
+    assert worker.kv.free_blocks == free - 8  # 16 requests x 8 tokens of padding rows
+    passes.release()
+    assert worker.kv.free_blocks == free
+
+
+def test_the_pool_option_is_cuda_only_and_reaches_the_worker(monkeypatch):
+    from pydantic import ValidationError
+
+    from specserve.serve import pools
+    from specserve.serve.config import PoolArgs
+
+    assert PoolArgs(model="tiny").cuda_graphs is None  # the engine's default: on for CUDA devices
+    assert PoolArgs(model="tiny", device="cuda:0", cuda_graphs=True).cuda_graphs
+    with pytest.raises(ValidationError, match="cuda_graphs needs a CUDA device"):
+        PoolArgs(model="tiny", cuda_graphs=True)
+    seen = {}
+    monkeypatch.setattr("specserve.models.load_causal_lm", lambda *a, **k: tiny_model(seed=2))
+    monkeypatch.setattr("specserve.engine.torch_worker.TorchWorker.__init__",
+                        lambda self, model, **kwargs: seen.update(kwargs))
+    pools.default_engine(PoolArgs(model="tiny", cuda_graphs=False).model_dump())
+    assert seen["cuda_graphs"] is False
