@@ -190,7 +190,7 @@ def add_bench_parser(subparsers) -> None:
 
 
 def _cmd_train_heads(args: argparse.Namespace) -> int:
-    from .heads.train import TrainOptions, train_medusa, validate_options
+    from .heads.train import TrainOptions, train_heads, validate_options
 
     options = TrainOptions(
         method=args.method, num_heads=args.heads, num_layers=args.layers, steps=args.steps, lr=args.lr,
@@ -200,7 +200,7 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
         device=args.device, threads=args.threads, checkpoint_every=args.checkpoint_every,
         progress=not args.no_progress)
     validate_options(options)  # before any model is loaded
-    result = train_medusa(args.target, args.out, options, resume=args.resume, force=args.force,
+    result = train_heads(args.target, args.out, options, resume=args.resume, force=args.force,
                           log=lambda msg: print(msg, flush=True))
     report = result.report
     print(f"heads: {result.out_dir}  ({report['steps']} steps in {report['train_seconds']:.0f} s, "

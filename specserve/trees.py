@@ -3,7 +3,7 @@
 A proposer grows its draft in levels. Each level it asks the growth for its `frontier` (the
 nodes whose children are wanted; -1 is the root), runs the draft model on them, hands
 `allocate` every frontier node's candidate probabilities (the draft's, most probable first),
-and adds the children `allocate` granted with `add`. Three growths:
+and adds the children `allocate` granted with `add` (`grow_level` does the last two). Three growths:
 
 - `ChainGrowth`: one child per level, k levels, stopping once the draft is unsure
   (the `draft` method);
@@ -143,6 +143,28 @@ def growth_for(k: int, tree: TreeSpec | None, min_confidence: float):
     return DynamicGrowth(tree) if tree.shape is None else StaticGrowth(tree)
 
 
+def grow_level(growth, frontier: Sequence[int], candidates: dict[int, tuple[Sequence[int], Sequence[float]]],
+               tokens: list[int], parents: list[int]) -> list[int]:
+    """One level of growth: `candidates[node]` is (token ids, probabilities), most probable
+    first, for the children of each `frontier` node. The growth allocates children from the
+    probabilities; the granted ones are appended to `tokens`/`parents` (node i of the tree is
+    index i). Returns the new nodes (none: the tree is complete).
+
+    >>> g, tokens, parents = ChainGrowth(2), [], []
+    >>> grow_level(g, g.frontier(), {-1: ([5, 6], [0.9, 0.1])}, tokens, parents), tokens, parents
+    ([0], [5], [-1])
+    """
+    counts = growth.allocate({n: list(candidates[n][1][: growth.max_children]) for n in frontier})
+    added: list[int] = []
+    for node in frontier:
+        ids, probs = candidates[node]
+        for rank in range(counts.get(node, 0)):
+            added.append(growth.add(node, float(probs[rank])))
+            tokens.append(int(ids[rank]))
+            parents.append(node)
+    return added
+
+
 def grow_from_marginals(growth, candidates: Sequence[tuple[Sequence[int], Sequence[float]]]) -> TokenTree:
     """Grow a tree whose candidates depend only on depth: `candidates[d]` is (token ids,
     probabilities), most probable first, for every node at depth d + 1 (Medusa: head d's top
@@ -158,16 +180,11 @@ def grow_from_marginals(growth, candidates: Sequence[tuple[Sequence[int], Sequen
         frontier = [n for n in growth.frontier() if depth_of[n] < len(candidates)]
         if not frontier:
             break
-        counts = growth.allocate({n: list(candidates[depth_of[n]][1][: growth.max_children]) for n in frontier})
-        if not counts:
+        added = grow_level(growth, frontier, {n: candidates[depth_of[n]] for n in frontier}, tokens, parents)
+        if not added:
             break
-        for node in frontier:
-            ids, probs = candidates[depth_of[node]]
-            for rank in range(counts.get(node, 0)):
-                child = growth.add(node, float(probs[rank]))
-                tokens.append(int(ids[rank]))
-                parents.append(node)
-                depth_of[child] = depth_of[node] + 1
+        for child in added:
+            depth_of[child] = depth_of[parents[child]] + 1
     return TokenTree(tuple(tokens), tuple(parents))
 
 

@@ -118,6 +118,39 @@ def make_medusa_decoder(target, heads=None, **speculation):
                               max_context=target.config.max_position_embeddings)
 
 
+def tiny_hydra_heads(model, *, num_heads: int = 3, noise: float = 0.0, seed: int = 0,
+                     head_vocab_size: int | None = None):
+    """Untrained Hydra heads on `model` (Medusa's identity on h, plus `noise` on every weight,
+    so the path's embeddings matter)."""
+    import torch
+
+    from specserve.heads.hydra import HydraConfig, HydraHeads
+
+    config = HydraConfig(model.config.hidden_size, model.config.vocab_size, num_heads=num_heads,
+                         head_vocab_size=head_vocab_size)
+    token_map = torch.arange(head_vocab_size) if head_vocab_size else None
+    heads = HydraHeads(config, model.lm_head.weight, model.get_input_embeddings().weight, token_map)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.heads.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=gen))
+    return heads.requires_grad_(False).eval()
+
+
+def make_hydra_decoder(target, heads=None, **speculation):
+    """A decoder whose target verifies and proposes with Hydra heads (co-located)."""
+    from specserve.decoder import SpeculativeDecoder
+    from specserve.engine.torch_worker import TorchWorker
+    from specserve.proposers.hydra import HydraProposer
+    from specserve.protocol import Speculation
+    from specserve.verifier import Verifier
+
+    proposer = HydraProposer(heads if heads is not None else tiny_hydra_heads(target))
+    return SpeculativeDecoder(Verifier(TorchWorker(target), proposer),
+                              speculation=Speculation(proposer="hydra", **speculation),
+                              max_context=target.config.max_position_embeddings)
+
+
 @pytest.fixture(scope="session")
 def qwen_pair():
     target = tiny_model("qwen2", seed=0)
@@ -175,10 +208,10 @@ def smol_medusa_heads(tmp_path_factory):
     """Medusa heads for SmolLM2-135M, trained here by `specserve train-heads`' library function
     on the offline text (about a minute): the directory they were saved to."""
     from specserve import models
-    from specserve.heads.train import quick_options, train_medusa
+    from specserve.heads.train import quick_options, train_heads
 
     if not models.is_cached(SMOL):
         pytest.skip(f"run `specserve models pull {SMOL}` first (make test does)")
     out = tmp_path_factory.mktemp("smol-medusa")
-    train_medusa(SMOL, out, quick_options(num_heads=3, progress=False), force=True, log=lambda *_: None)
+    train_heads(SMOL, out, quick_options(num_heads=3, progress=False), force=True, log=lambda *_: None)
     return out

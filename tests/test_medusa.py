@@ -274,5 +274,6 @@ def test_older_method_names_map_to_proposer_and_shape():
     assert Speculation().overridden(method="tree") == Speculation(proposer="draft", shape="tree")
     assert Speculation().overridden(method="none").proposer == "none"
     assert Speculation().overridden(method="medusa").proposer == "medusa"
+    assert Speculation().overridden(method="hydra").proposer == "hydra"
     with pytest.raises(SpecserveError, match="write `proposer`"):
-        Speculation().overridden(method="hydra")
+        Speculation().overridden(method="eagle")

@@ -1,4 +1,4 @@
-"""The Medusa head trainer (`specserve train-heads`).
+"""The head trainer (`specserve train-heads`): Medusa and Hydra.
 
 Fast tier: tiny random qwen2 models on synthetic token sequences (seconds). Slow tier: heads for
 SmolLM2-135M from the real offline text (about a minute).
@@ -24,7 +24,7 @@ from specserve.heads.train import (
     TrainOptions,
     choose_token_map,
     quick_options,
-    train_medusa,
+    train_heads,
 )
 from specserve.protocol import SpecserveError
 
@@ -65,7 +65,7 @@ def tiny_options(**overrides) -> TrainOptions:
 
 
 def train(target, out_dir, options, **kwargs):
-    return train_medusa(target, out_dir, options, sequences=TRAIN, eval_sequences=HELD_OUT,
+    return train_heads(target, out_dir, options, sequences=TRAIN, eval_sequences=HELD_OUT,
                         log=lambda msg: None, **kwargs)
 
 
@@ -112,7 +112,7 @@ def test_hidden_states_are_cached_once(target, tmp_path):
     assert not first.report["cache_reused"] and second.report["cache_reused"]
     assert len(list((out / "cache").glob("hidden-*.safetensors"))) == 1
     # other text: another cache file
-    train_medusa(target, out, tiny_options(steps=2), sequences=TRAIN[:8], eval_sequences=HELD_OUT,
+    train_heads(target, out, tiny_options(steps=2), sequences=TRAIN[:8], eval_sequences=HELD_OUT,
                  force=True, log=lambda msg: None)
     assert len(list((out / "cache").glob("hidden-*.safetensors"))) == 2
 
@@ -122,6 +122,54 @@ def test_token_map_keeps_the_most_frequent_ids():
     greedy = torch.tensor([7, 7, 7, 7, 2, 1])
     assert choose_token_map(tokens, greedy, 10, 3).tolist() == [2, 5, 7]
     assert choose_token_map(tokens, greedy, 10, 10).tolist() == list(range(10))
+
+
+# --------------------------------------------------------------------------- hydra
+
+
+def test_hydra_heads_learn_what_the_target_predicts(target, tmp_path):
+    result = train(target, tmp_path / "hydra", tiny_options(method="hydra", steps=100))
+    report = result.report
+    before, after = report["heldout_accuracy_before"], report["heldout_accuracy_after"]
+    assert report["method"] == "hydra"
+    assert before[0] < 0.1
+    assert after[0] > before[0] + 0.25, (before, after)
+    assert all(a > b for a, b in zip(after, before)), (before, after)
+
+
+def test_hydra_heads_use_their_path(target, tmp_path):
+    """On the same budget Hydra's later heads, which read the drafted tokens, beat Medusa's,
+    which see only h_t: here the n-grams make the path nearly decide the next token."""
+    options = tiny_options(steps=100)
+    medusa = train(target, tmp_path / "medusa", options).report["heldout_accuracy_after"]
+    hydra = train(target, tmp_path / "hydra", replace(options, method="hydra")).report["heldout_accuracy_after"]
+    assert hydra[2] > medusa[2] + 0.05, (medusa, hydra)
+
+
+def test_hydra_resume_gives_the_uninterrupted_weights(target, tmp_path):
+    options = tiny_options(method="hydra", num_layers=2)
+    whole = train(target, tmp_path / "whole", options)
+    first = train(target, tmp_path / "split", options, stop_at=4)
+    assert first.step == 4 and first.report is None
+    rest = train(target, tmp_path / "split", options, resume=True)
+    assert rest.step == 8
+    for name, value in head_weights(whole).items():
+        torch.testing.assert_close(head_weights(rest)[name], value, rtol=0, atol=1e-6)
+
+
+def test_hydra_files_load_back_into_the_same_heads(target, tmp_path):
+    from specserve.heads.hydra import load_heads as load_hydra
+
+    out = tmp_path / "hydra"
+    result = train(target, out, tiny_options(method="hydra", head_vocab_size=40))
+    config = json.loads((out / "config.json").read_text())
+    assert config["method"] == "hydra" and config["head_vocab_size"] == 40 and config["num_heads"] == 3
+    assert not (out / "vllm").exists()  # vLLM has no Hydra model
+    loaded = load_hydra(out, target.lm_head.weight, target.get_input_embeddings().weight)
+    hidden, path = torch.randn(5, target.config.hidden_size), torch.randint(0, VOCAB, (5, 3))
+    torch.testing.assert_close(loaded(hidden, path), result.heads.eval()(hidden, path), rtol=1e-5, atol=1e-4)
+    with pytest.raises(SpecserveError, match="holds 'hydra' heads, not Medusa heads"):
+        load_heads(out, target.lm_head.weight)
 
 
 # --------------------------------------------------------------------------- files
@@ -176,9 +224,9 @@ def test_full_vocabulary_writes_no_token_map(target, tmp_path):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"method": "hydra"}, "not built yet; only medusa"),
-    ({"method": "redrafter"}, "not built yet; only medusa"),
+    ({"method": "redrafter"}, "not built yet; built: medusa, hydra"),
     ({"method": "eagle"}, "unknown head method 'eagle'"),
+    ({"method": "hydra", "own_lm_head": True}, "hydra heads share the target's frozen lm_head"),
     ({"steps": 0}, "steps must be >= 1"),
     ({"num_heads": 0}, "num_heads must be >= 1"),
     ({"num_layers": 0}, "num_layers must be >= 1"),
@@ -201,7 +249,7 @@ def test_out_dir_rules(target, tmp_path):
     with pytest.raises(SpecserveError, match=r"other options \(lr differ\)"):
         train(target, out, tiny_options(lr=5e-3), resume=True)
     with pytest.raises(SpecserveError, match="another target or other training text"):
-        train_medusa(target, out, tiny_options(), sequences=TRAIN[:4], eval_sequences=HELD_OUT, resume=True,
+        train_heads(target, out, tiny_options(), sequences=TRAIN[:4], eval_sequences=HELD_OUT, resume=True,
                      log=lambda msg: None)
     train(target, out, tiny_options(), resume=True)
     with pytest.raises(SpecserveError, match="already holds heads; --force"):
@@ -219,13 +267,13 @@ def test_unsupported_target_is_refused(tmp_path):
 
 def test_token_ids_come_in_pairs(target, tmp_path):
     with pytest.raises(SpecserveError, match="both sequences and eval_sequences"):
-        train_medusa(target, tmp_path / "heads", tiny_options(), sequences=TRAIN)
+        train_heads(target, tmp_path / "heads", tiny_options(), sequences=TRAIN)
     with pytest.raises(SpecserveError, match="without a tokenizer needs explicit token sequences"):
-        train_medusa(target, tmp_path / "heads", tiny_options())
+        train_heads(target, tmp_path / "heads", tiny_options())
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--method", "hydra"], "not built yet; only medusa"),
+    (["--method", "redrafter"], "not built yet; built: medusa, hydra"),
     (["--steps", "0"], "steps must be >= 1"),
     (["--heads", "0"], "num_heads must be >= 1"),
     (["--layers", "0"], "num_layers must be >= 1"),
@@ -317,7 +365,7 @@ SMOL = "smollm2-135m-instruct"
 def test_smollm2_heads_from_offline_text(tmp_path):
     if not models.is_cached(SMOL):
         pytest.skip(f"run `specserve models pull {SMOL}` first (make test does)")
-    result = train_medusa(SMOL, tmp_path / "heads", quick_options(progress=False))
+    result = train_heads(SMOL, tmp_path / "heads", quick_options(progress=False))
     report = result.report
     before, after = report["heldout_accuracy_before"], report["heldout_accuracy_after"]
     assert after[0] > before[0] + 0.15, (before, after)

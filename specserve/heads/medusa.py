@@ -113,6 +113,11 @@ class MedusaHeads(nn.Module):
         Returns logits [num_heads, ..., head_vocab] over `token_map`'s ids."""
         return torch.stack([block(hidden) @ self.projection(i).T for i, block in enumerate(self.blocks)])
 
+    def features(self, hidden: torch.Tensor, path: torch.Tensor | None = None) -> torch.Tensor:
+        """[num_heads, ..., hidden]: every head before its projection (the trainer's interface,
+        specserve.heads.train.TrainableHeads). Medusa's heads read no path."""
+        return torch.stack([block(hidden) for block in self.blocks])
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 

@@ -1,4 +1,5 @@
-"""Train Medusa heads on a target by distillation from the target itself (Medusa-2 weighting).
+"""Train heads (Medusa or Hydra) on a target by distillation from the target itself (Medusa-2
+weighting).
 
 1. The target reads the training text once; its last hidden states (after the final norm, what
    the serving worker feeds the heads) and its greedy next tokens are cached on disk under
@@ -6,16 +7,23 @@
    resumed one skips this, the slow part.
 2. Head i at position t learns the target's distribution of token t+i+2, which is
    softmax(lm_head(h_{t+i+1})) over the `token_map` rows: the teacher costs one matrix product
-   on cached states. Loss = sum_i 0.8^i * cross-entropy(teacher, head i).
+   on cached states. Loss = sum_i 0.8^i * cross-entropy(teacher, head i) (Hydra++'s teacher
+   distillation is this same loss).
 3. Held-out accuracy: head i's argmax against the target's greedy token at t+i+2, on HumanEval
    problems the benchmarks use (never trained on), before and after training.
 
-    >>> result = train_medusa("smollm2-135m-instruct", tmp / "heads", quick_options())  # doctest: +SKIP
-    >>> result.report["heldout_accuracy_after"]                                        # doctest: +SKIP
+What differs between methods sits behind one small interface (`HEAD_METHODS`: build fresh
+heads; the heads' `features(hidden, path)`, `lm_heads`, `token_map` and `save`). Every head
+gets the path tokens x_{t+1} .. x_{t+K} of its position from the training sequence (teacher
+forcing); Medusa's heads ignore them, Hydra's head i reads the first i + 1.
+
+    >>> result = train_heads("smollm2-135m-instruct", tmp / "heads", quick_options())  # doctest: +SKIP
+    >>> result.report["heldout_accuracy_after"]                                       # doctest: +SKIP
     [0.295, 0.167]
 
-Files in `out_dir`: the heads (`MedusaHeads.save`: config.json, medusa.safetensors, vllm/),
-train_report.json, checkpoint.pt (to resume) and cache/.
+Files in `out_dir`: the heads (`MedusaHeads.save`: config.json, medusa.safetensors, vllm/;
+`HydraHeads.save`: config.json, hydra.safetensors), train_report.json, checkpoint.pt (to
+resume) and cache/.
 """
 
 from __future__ import annotations
@@ -28,20 +36,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from specserve.protocol import SpecserveError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI builds its parser from TrainOptions
     import torch
 
-    from specserve.heads.medusa import MedusaHeads
-
-HEADS_CONFIG_FILE = "config.json"  # MedusaHeads.save writes it: heads are there
+HEADS_CONFIG_FILE = "config.json"  # the heads' save writes it: heads are there
 CHECKPOINT_FILE = "checkpoint.pt"
 REPORT_FILE = "train_report.json"
 CACHE_DIR = "cache"
-PLANNED_METHODS = ("hydra", "redrafter")
+PLANNED_METHODS = ("redrafter",)
 MAX_FULL_HEAD_VOCAB = 65536  # larger vocabularies get a token map of TRUNCATED_HEAD_VOCAB ids
 TRUNCATED_HEAD_VOCAB = 32768
 EVAL_BATCH = 1024  # positions per evaluation batch
@@ -55,9 +61,9 @@ class TrainOptions:
     in about 55 minutes (text hidden states ~115-185 tokens/s, the target's own continuations
     ~60 tokens/s, a step ~0.8 s); `quick_options()` is a short run for tests."""
 
-    method: str = "medusa"
+    method: str = "medusa"  # medusa | hydra
     num_heads: int = 4
-    num_layers: int = 1
+    num_layers: int = 1  # Medusa: ResBlocks per head; Hydra: the input block + num_layers - 1 ResBlocks
     steps: int = 1500
     lr: float = 1e-3
     batch_size: int = 256  # positions per step
@@ -71,7 +77,7 @@ class TrainOptions:
     generated_max_new: int = 256  # longest continuation of one prompt
     generated_share: float = 0.5  # share of each step's positions taken from the continuations
     head_vocab_size: int | None = None  # None: the full vocabulary up to 65536, else 32768
-    own_lm_head: bool = False  # train a copy of the lm_head per head (large: slow on CPU)
+    own_lm_head: bool = False  # Medusa only: train a copy of the lm_head per head (large: slow on CPU)
     seed: int = 0
     dtype: str = "bfloat16"  # the target's dtype while caching; heads train in float32
     warmup_steps: int | None = None  # None: 5% of the steps, at most 100
@@ -110,9 +116,48 @@ def quick_options(**overrides) -> TrainOptions:
     return replace(base, **overrides)
 
 
+class TrainableHeads(Protocol):
+    """What the trainer needs of a method's heads (MedusaHeads, HydraHeads)."""
+
+    config: object  # num_heads, head_vocab_size, vocab_size, target
+    token_map: torch.Tensor  # [head_vocab] the ids the projection covers
+    lm_heads: object  # None: the target's shared lm_head rows; else one trained projection per head
+
+    def features(self, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] (h_t), path [B, K] (x_{t+1} .. x_{t+K}) -> [K, B, H], float32."""
+        ...
+
+    def trainable_parameters(self) -> list: ...
+
+    def save(self, directory: Path) -> Path: ...
+
+
+def _medusa_heads(model, options: TrainOptions, token_map: torch.Tensor, name: str) -> TrainableHeads:
+    from specserve.heads.medusa import MedusaConfig, MedusaHeads
+
+    vocab_size, hidden_size = model.lm_head.weight.shape
+    config = MedusaConfig(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=options.num_heads,
+                          num_layers=options.num_layers, own_lm_head=options.own_lm_head,
+                          head_vocab_size=len(token_map), target=name)
+    return MedusaHeads(config, model.lm_head.weight.detach().float().cpu(), token_map)
+
+
+def _hydra_heads(model, options: TrainOptions, token_map: torch.Tensor, name: str) -> TrainableHeads:
+    from specserve.heads.hydra import HydraConfig, HydraHeads
+
+    vocab_size, hidden_size = model.lm_head.weight.shape
+    config = HydraConfig(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=options.num_heads,
+                         num_layers=options.num_layers, head_vocab_size=len(token_map), target=name)
+    return HydraHeads(config, model.lm_head.weight.detach(), model.get_input_embeddings().weight, token_map)
+
+
+# method -> fresh float32 heads on the CPU: (target model, options, token_map, target name) -> heads
+HEAD_METHODS: dict[str, Callable[..., TrainableHeads]] = {"medusa": _medusa_heads, "hydra": _hydra_heads}
+
+
 @dataclass
 class TrainResult:
-    heads: MedusaHeads
+    heads: TrainableHeads
     out_dir: Path
     step: int  # steps done; < options.steps when stopped early (`stop_at`)
     report: dict | None  # train_report.json's content; None when stopped early
@@ -120,10 +165,14 @@ class TrainResult:
 
 def validate_options(options: TrainOptions) -> None:
     """Refuse bad options before anything is loaded."""
+    built = ", ".join(HEAD_METHODS)
     if options.method in PLANNED_METHODS:
-        raise SpecserveError(f"head method {options.method!r} is not built yet; only medusa")
-    if options.method != "medusa":
-        raise SpecserveError(f"unknown head method {options.method!r}; only medusa")
+        raise SpecserveError(f"head method {options.method!r} is not built yet; built: {built}")
+    if options.method not in HEAD_METHODS:
+        raise SpecserveError(f"unknown head method {options.method!r}; built: {built}")
+    if options.own_lm_head and options.method != "medusa":
+        raise SpecserveError(f"{options.method} heads share the target's frozen lm_head; own_lm_head "
+                             "(--own-lm-head) is for medusa")
     for name in ("steps", "num_heads", "num_layers", "batch_size", "seq_len", "max_tokens", "eval_tokens",
                  "checkpoint_every", "generated_max_new"):
         if getattr(options, name) < 1:
@@ -308,15 +357,29 @@ def gather_rows(hidden: torch.Tensor, positions: torch.Tensor, num_heads: int) -
     return hidden[positions[None, :] + torch.arange(num_heads + 1, device=positions.device)[:, None]]
 
 
-def student_logits(heads: MedusaHeads, h: torch.Tensor, shared_projection: torch.Tensor) -> torch.Tensor:
-    """What `heads(h)` computes, [K, B, head_vocab], with the vocabulary products in the
+def gather_path(tokens: torch.Tensor, positions: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[B, num_heads]: x_{t+1} .. x_{t+num_heads} for each position t, the tokens the heads'
+    paths hold under teacher forcing (x_{t+1}: the token h_t's row produced, the round's root).
+
+    >>> import torch
+    >>> gather_path(torch.tensor([10, 11, 12, 13]), torch.tensor([0, 1]), 2).tolist()
+    [[11, 12], [12, 13]]
+    """
+    import torch
+
+    return tokens[positions[:, None] + torch.arange(1, num_heads + 1, device=positions.device)[None, :]]
+
+
+def student_logits(heads: TrainableHeads, h: torch.Tensor, path: torch.Tensor,
+                   shared_projection: torch.Tensor) -> torch.Tensor:
+    """What the heads compute, [K, B, head_vocab], with the vocabulary products in the
     projection's dtype (bfloat16 matrix products are ~4x faster than float32 on this CPU; the
-    blocks and their gradients stay float32). `shared_projection`: the token_map rows of the
-    target's lm_head, used when the heads share it."""
+    heads and their gradients stay float32). `path`: [B, K] (see `gather_path`).
+    `shared_projection`: the token_map rows of the target's lm_head, used when the heads share it."""
     import torch
     import torch.nn.functional as F
 
-    outs = torch.stack([block(h.float()) for block in heads.blocks])  # [K, B, H] float32
+    outs = heads.features(h.float(), path)  # [K, B, H] float32
     dtype = shared_projection.dtype
     if heads.lm_heads is None:
         flat = F.linear(outs.reshape(-1, outs.shape[-1]).to(dtype), shared_projection)
@@ -324,10 +387,10 @@ def student_logits(heads: MedusaHeads, h: torch.Tensor, shared_projection: torch
     return torch.stack([F.linear(o.to(dtype), w.to(dtype)) for o, w in zip(outs, heads.lm_heads)])
 
 
-def distillation_loss(heads: MedusaHeads, rows: torch.Tensor, teacher_weight: torch.Tensor,
+def distillation_loss(heads: TrainableHeads, rows: torch.Tensor, path: torch.Tensor, teacher_weight: torch.Tensor,
                       decay: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """rows: [K + 1, B, H] from `gather_rows`; teacher_weight: [head_vocab, H], the lm_head's
-    token_map rows. Head i learns softmax(h_{t+i+1} @ teacher_weight.T), the target's
+    """rows: [K + 1, B, H] from `gather_rows`; path: [B, K] from `gather_path`; teacher_weight:
+    [head_vocab, H], the lm_head's token_map rows. Head i learns softmax(h_{t+i+1} @ teacher_weight.T), the target's
     distribution of token t+i+2 restricted to the map.
     Returns (weighted loss, per-head loss [K], per-head top-1 agreement with the teacher [K])."""
     import torch
@@ -337,17 +400,18 @@ def distillation_loss(heads: MedusaHeads, rows: torch.Tensor, teacher_weight: to
     with torch.no_grad():
         teacher = F.linear(rows[1:].reshape(-1, hidden).to(teacher_weight.dtype), teacher_weight)
         teacher = teacher.float().softmax(-1).view(num_heads, batch, -1)
-    student = student_logits(heads, rows[0], teacher_weight).float().log_softmax(-1)
+    student = student_logits(heads, rows[0], path, teacher_weight).float().log_softmax(-1)
     per_head = -(teacher * student).sum(-1).mean(-1)
     weights = decay ** torch.arange(num_heads, dtype=torch.float32, device=per_head.device)
     agree = (student.argmax(-1) == teacher.argmax(-1)).float().mean(-1)
     return (weights * per_head).sum(), per_head.detach(), agree
 
 
-def heldout_accuracy(heads: MedusaHeads, teacher_weight: torch.Tensor, hidden: torch.Tensor, greedy: torch.Tensor,
-                     offsets: torch.Tensor, device: str) -> list[float]:
+def heldout_accuracy(heads: TrainableHeads, teacher_weight: torch.Tensor, hidden: torch.Tensor, greedy: torch.Tensor,
+                     tokens: torch.Tensor, offsets: torch.Tensor, device: str) -> list[float]:
     """Per head, how often its argmax (through token_map) is the target's greedy token at t+i+2,
-    i.e. greedy[t + i + 1], over every usable position of the held-out text."""
+    i.e. greedy[t + i + 1], over every usable position of the held-out text (paths
+    teacher-forced from `tokens`)."""
     import torch
 
     num_heads = heads.config.num_heads
@@ -358,7 +422,8 @@ def heldout_accuracy(heads: MedusaHeads, teacher_weight: torch.Tensor, hidden: t
     shifts = torch.arange(1, num_heads + 1)
     with torch.no_grad():
         for batch in positions.split(EVAL_BATCH):
-            logits = student_logits(heads, hidden[batch].to(device), teacher_weight)  # [K, B, head_vocab]
+            path = gather_path(tokens, batch, num_heads).to(device)
+            logits = student_logits(heads, hidden[batch].to(device), path, teacher_weight)  # [K, B, head_vocab]
             guess = heads.token_map[logits.argmax(-1)].cpu()  # [K, B]
             truth = greedy[batch[None, :] + shifts[:, None]]  # [K, B]
             hits += (guess == truth).sum(-1)
@@ -414,13 +479,13 @@ def check_out_dir(out_dir: Path, *, resume: bool, force: bool) -> None:
 # ---- the whole run -------------------------------------------------------------------------
 
 
-def train_medusa(target, out_dir: str | Path | None = None, options: TrainOptions | None = None, *,
+def train_heads(target, out_dir: str | Path | None = None, options: TrainOptions | None = None, *,
                  resume: bool = False, force: bool = False,
                  sequences: Sequence[Sequence[int]] | None = None,
                  eval_sequences: Sequence[Sequence[int]] | None = None,
                  stop_at: int | None = None, log: Log = print) -> TrainResult:
-    """Train Medusa heads for `target` (a registry name, directory, Hub id, or a causal LM
-    object) into `out_dir` (default: `default_heads_dir(target, "medusa")`).
+    """Train `options.method` heads (medusa, hydra) for `target` (a registry name, directory,
+    Hub id, or a causal LM object) into `out_dir` (default: `default_heads_dir(target, method)`).
 
     `sequences` / `eval_sequences`: explicit training and held-out token ids (both, or neither:
     then the offline text of `specserve.heads.data`, which needs the target's tokenizer). With
@@ -529,34 +594,31 @@ def _generated_data(target: Target, options: TrainOptions, prompts, eval_prompts
 
 
 def _build_heads(target: Target, options: TrainOptions, data: dict, device: str,
-                 token_map: torch.Tensor | None) -> tuple[MedusaHeads, torch.Tensor]:
-    """Fresh float32 heads (zero blocks) and the teacher's lm_head rows in the cache dtype."""
+                 token_map: torch.Tensor | None) -> tuple[TrainableHeads, torch.Tensor]:
+    """Fresh float32 heads (untrained: the identity on h) and the teacher's lm_head rows in the
+    cache dtype."""
     import torch
 
-    from specserve.heads.medusa import MedusaConfig, MedusaHeads
-
     lm_head = target.model.lm_head.weight.detach()
-    vocab_size, hidden_size = lm_head.shape
+    vocab_size = lm_head.shape[0]
     head_vocab = min(options.head_vocab_size or default_head_vocab(vocab_size), vocab_size)
     if token_map is None:
         t = data["tensors"]
         token_map = choose_token_map(torch.cat([t["train.tokens"], t["gen.tokens"]]),
                                      torch.cat([t["train.greedy"], t["gen.greedy"]]), vocab_size, head_vocab)
-    config = MedusaConfig(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=options.num_heads,
-                          num_layers=options.num_layers, own_lm_head=options.own_lm_head,
-                          head_vocab_size=len(token_map), target=target.name)
-    heads = MedusaHeads(config, lm_head.float().cpu(), token_map).to(device)
+    heads = HEAD_METHODS[options.method](target.model, options, token_map, target.name).to(device)
     teacher_weight = lm_head[token_map.to(lm_head.device)].to(device=device, dtype=data["dtype"])
     return heads, teacher_weight
 
 
-def _train(heads: MedusaHeads, teacher_weight: torch.Tensor, options: TrainOptions, data: dict, out_dir: Path,
+def _train(heads: TrainableHeads, teacher_weight: torch.Tensor, options: TrainOptions, data: dict, out_dir: Path,
            device: str, checkpoint: dict | None, stop_at: int | None, target, log: Log) -> TrainResult:
     import torch
     from tqdm import tqdm
 
     t = data["tensors"]
     hidden = torch.cat([t["train.hidden"], t["gen.hidden"].to(t["train.hidden"].dtype)]).to(device)
+    tokens = torch.cat([t["train.tokens"], t["gen.tokens"]]).to(device)
     text_positions = usable_positions(t["train.offsets"], options.num_heads)
     own_positions = usable_positions(t["gen.offsets"], options.num_heads) + len(t["train.hidden"])
     if len(text_positions) + len(own_positions) == 0:
@@ -564,9 +626,9 @@ def _train(heads: MedusaHeads, teacher_weight: torch.Tensor, options: TrainOptio
     own_count = (options.batch_size if len(text_positions) == 0 else
                  round(options.batch_size * options.generated_share) if len(own_positions) else 0)
     draws = [(p, n) for p, n in ((text_positions, options.batch_size - own_count), (own_positions, own_count)) if n]
-    eval_sets = {"text": (t["eval.hidden"], t["eval.greedy"], t["eval.offsets"])}
+    eval_sets = {"text": (t["eval.hidden"], t["eval.greedy"], t["eval.tokens"], t["eval.offsets"])}
     if len(t["geneval.greedy"]):
-        eval_sets["own"] = (t["geneval.hidden"], t["geneval.greedy"], t["geneval.offsets"])
+        eval_sets["own"] = (t["geneval.hidden"], t["geneval.greedy"], t["geneval.tokens"], t["geneval.offsets"])
 
     def evaluate() -> dict[str, list[float]]:
         return {name: heldout_accuracy(heads, teacher_weight, *tensors, device) for name, tensors in eval_sets.items()}
@@ -603,8 +665,10 @@ def _train(heads: MedusaHeads, teacher_weight: torch.Tensor, options: TrainOptio
         while step < end:
             started = time.perf_counter()
             batch = torch.cat([p[torch.randint(len(p), (n,), generator=sampler)] for p, n in draws])
-            rows = gather_rows(hidden, batch.to(device), options.num_heads)
-            loss, _, agree = distillation_loss(heads, rows, teacher_weight, options.loss_decay)
+            batch = batch.to(device)
+            rows = gather_rows(hidden, batch, options.num_heads)
+            path = gather_path(tokens, batch, options.num_heads)
+            loss, _, agree = distillation_loss(heads, rows, path, teacher_weight, options.loss_decay)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -21,6 +21,8 @@ from specserve.trees import grow_from_marginals, growth_for
 
 
 class MedusaProposer:
+    method = "medusa"
+
     def __init__(self, heads: MedusaHeads, *, vocab_size: int | None = None, min_confidence: float = 0.0):
         self.heads = heads
         self.num_heads = heads.config.num_heads

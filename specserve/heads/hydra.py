@@ -1,0 +1,191 @@
+"""Hydra heads (Ankner et al. 2024, zankner/Hydra): Medusa heads that see what was drafted before them.
+
+Medusa's head i guesses token t + i + 2 from the target's hidden state h_t alone, so every
+candidate at a depth is the same whatever the path above it. Hydra's head i also reads the
+input embeddings of the tokens on the path: x_{t+1} (the round's root, the token the target
+just produced) and the i tokens drafted below it,
+
+    head i:  [h_t ; e(x_{t+1}) ; ... ; e(x_{t+i+1})]  ->  hidden  ->  lm_head  ->  token t + i + 2
+
+so drafting goes depth by depth (head i runs on every node of depth i, with that node's path)
+and each candidate is conditioned on its own branch.
+
+Each head is an input block that folds the (i + 2) * hidden concatenation back to the hidden
+size, `skip(x) + SiLU(linear(x))` (Hydra's ResBlock with a residual projection), then
+`num_layers - 1` Medusa ResBlocks, then the target's own lm_head, frozen and shared (its
+`token_map` rows: a reduced head vocabulary as for Medusa). `skip` starts as "take h_t" and
+`linear` at zero, so an untrained Hydra head is an untrained Medusa head. The embeddings are
+the target's own input embedding table (frozen, not saved with the heads), RMS-normalised so
+they enter at the scale of the normed hidden state.
+
+Files: `config.json` (`method: hydra`) + `hydra.safetensors` (the heads' parameters and the
+token_map). vLLM has no Hydra model, so there is no vllm/ layout.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.heads.medusa import CONFIG_FILE, ResBlock
+from specserve.protocol import SpecserveError
+
+WEIGHTS_FILE = "hydra.safetensors"
+
+
+@dataclass
+class HydraConfig:
+    hidden_size: int
+    vocab_size: int  # the target's full vocabulary (lm_head and embedding rows)
+    num_heads: int = 4
+    num_layers: int = 1  # the input block, then num_layers - 1 ResBlocks
+    head_vocab_size: int | None = None  # size of token_map; None: the whole vocabulary
+    target: str | None = None  # the model the heads were trained on (informational)
+    method: str = "hydra"
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.num_layers < 1:
+            raise SpecserveError(f"Hydra needs >= 1 head and >= 1 layer per head, got "
+                                 f"{self.num_heads} heads, {self.num_layers} layers")
+        if self.head_vocab_size is not None and not 1 <= self.head_vocab_size <= self.vocab_size:
+            raise SpecserveError(f"head_vocab_size must be in [1, {self.vocab_size}], got {self.head_vocab_size}")
+
+
+class HydraHead(nn.Module):
+    """Head `index`: [h ; e_1 .. e_{index+1}] ((index + 2) * hidden wide) -> hidden."""
+
+    def __init__(self, hidden_size: int, index: int, num_layers: int):
+        super().__init__()
+        width = hidden_size * (index + 2)
+        self.skip = nn.Linear(width, hidden_size, bias=False)
+        self.linear = nn.Linear(width, hidden_size, bias=True)
+        with torch.no_grad():  # starts as Medusa's identity on h: skip picks h, linear is zero
+            self.skip.weight.zero_()
+            self.skip.weight[:, :hidden_size] = torch.eye(hidden_size)
+            self.linear.weight.zero_()
+            self.linear.bias.zero_()
+        self.act = nn.SiLU()
+        self.blocks = nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers - 1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.skip(x) + self.act(self.linear(x)))
+
+
+class HydraHeads(nn.Module):
+    """K path-conditioned heads over the target's last hidden state.
+
+    `lm_head_weight` [vocab, hidden]: the target's lm_head (its `token_map` rows become the
+    frozen shared projection); `embedding_weight` [vocab, hidden]: the target's input
+    embedding table, kept by reference (never copied, moved or saved: it is the target's).
+    """
+
+    lm_heads = None  # the projection is always the target's shared lm_head (the trainer asks)
+
+    def __init__(self, config: HydraConfig, lm_head_weight: torch.Tensor, embedding_weight: torch.Tensor,
+                 token_map: torch.Tensor | None = None):
+        super().__init__()
+        expected = (config.vocab_size, config.hidden_size)
+        for name, weight in (("lm_head", lm_head_weight), ("input embedding", embedding_weight)):
+            if tuple(weight.shape) != expected:
+                raise SpecserveError(f"the target's {name} is {tuple(weight.shape)}; these Hydra heads need "
+                                     f"{expected}: were they trained for another model?")
+        token_map = (torch.arange(config.vocab_size) if token_map is None else token_map).long()
+        if config.head_vocab_size is None:
+            config.head_vocab_size = len(token_map)
+        if len(token_map) != config.head_vocab_size:
+            raise SpecserveError(f"token_map has {len(token_map)} ids, the config says {config.head_vocab_size}")
+        self.config = config
+        self.heads = nn.ModuleList(HydraHead(config.hidden_size, i, config.num_layers)
+                                   for i in range(config.num_heads))
+        self.register_buffer("token_map", token_map, persistent=False)
+        self.register_buffer("shared_lm_head", lm_head_weight.detach()[token_map.to(lm_head_weight.device)].clone()
+                             .to(torch.float32), persistent=False)
+        self.embedding = embedding_weight.detach()  # a plain attribute: `.to()` leaves the target's table alone
+
+    def projection(self, head: int = 0) -> torch.Tensor:
+        """[head_vocab, hidden]: the shared vocabulary projection."""
+        return self.shared_lm_head
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> their input embeddings [..., hidden], RMS-normalised, in the heads'
+        dtype and on their device."""
+        weight = self.heads[0].linear.weight
+        e = F.embedding(ids.to(self.embedding.device), self.embedding).to(device=weight.device, dtype=torch.float32)
+        return (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)).to(weight.dtype)
+
+    def head_features(self, index: int, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """Head `index` before the projection. hidden [N, H]; path [N, index + 1], the root
+        token then the drafted tokens above the nodes being predicted. Returns [N, H]."""
+        if path.shape[-1] != index + 1:
+            raise SpecserveError(f"Hydra head {index} reads a path of {index + 1} tokens, got {path.shape[-1]}")
+        x = torch.cat([hidden.to(self.heads[0].linear.weight.dtype), self.embed(path).flatten(-2)], dim=-1)
+        return self.heads[index](x)
+
+    def head_logits(self, index: int, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """[N, head_vocab] logits over `token_map`'s ids (see `head_features`)."""
+        out = self.head_features(index, hidden, path)
+        return out @ self.projection().to(out.dtype).T
+
+    def features(self, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """Every head at once, teacher-forced: hidden [B, H] (h_t), path [B, >= K] (x_{t+1} ..
+        x_{t+K} from the sequence). Returns [K, B, H]: head i read path[:, :i + 1]."""
+        x = torch.cat([hidden.to(self.heads[0].linear.weight.dtype),
+                       self.embed(path[:, : self.config.num_heads]).flatten(-2)], dim=-1)
+        width = self.config.hidden_size
+        return torch.stack([head(x[:, : width * (i + 2)]) for i, head in enumerate(self.heads)])
+
+    def forward(self, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """[K, B, head_vocab] logits, teacher-forced (see `features`)."""
+        out = self.features(hidden, path)
+        return out @ self.projection().to(out.dtype).T
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # ---- files ---------------------------------------------------------------------------
+
+    def state_for_saving(self) -> dict[str, torch.Tensor]:
+        state = {name: value.detach() for name, value in self.state_dict().items()}
+        state["token_map"] = self.token_map
+        return {k: v.contiguous().cpu() for k, v in state.items()}
+
+    def save(self, directory: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(self.state_for_saving(), str(directory / WEIGHTS_FILE))
+        (directory / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=1) + "\n")
+        return directory
+
+
+def read_config(directory: str | Path) -> HydraConfig:
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise SpecserveError(f"no Hydra heads at {directory} (missing {CONFIG_FILE})")
+    data = json.loads(path.read_text())
+    if data.get("method", "medusa") != "hydra":
+        raise SpecserveError(f"{directory} holds {data.get('method', 'medusa')!r} heads, not Hydra heads")
+    return HydraConfig(**{k: v for k, v in data.items() if k in HydraConfig.__dataclass_fields__})
+
+
+def load_heads(directory: str | Path, lm_head_weight: torch.Tensor, embedding_weight: torch.Tensor, *,
+               dtype=None, device=None) -> HydraHeads:
+    """Heads saved by `HydraHeads.save`, on the target whose lm_head and input embedding
+    weights are given, in the lm_head's dtype and on its device unless told otherwise."""
+    from safetensors.torch import load_file
+
+    config = read_config(directory)
+    state = load_file(str(Path(directory) / WEIGHTS_FILE))
+    heads = HydraHeads(config, lm_head_weight, embedding_weight, state.pop("token_map"))
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise SpecserveError(f"Hydra weights at {directory} do not match their config "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    heads.requires_grad_(False).eval()
+    return heads.to(dtype=dtype or lm_head_weight.dtype, device=device or lm_head_weight.device)

@@ -1,0 +1,87 @@
+"""Hydra proposer: token trees from path-conditioned heads on the target's last hidden state.
+
+Co-located with the target, like Medusa: the verify pass yields the hidden state h_t of the row
+that produced the round's last token x_{t+1} (the recovered or bonus one, the tree's root).
+Unlike Medusa's, Hydra's candidates at depth d + 1 depend on the path above them, so the tree
+grows level by level: each level runs head d once, batched over every frontier node of every
+request (row = the request's h_t and the node's path x_{t+1} .. its own token), and the growth
+(`specserve.trees`: a chain of top-1s, a static `medusa_choices`-style shape, or a dynamic tree
+under a node budget) takes each node's top candidates. A node's score is the product of the
+heads' conditional probabilities along its path: the heads' probability of the whole branch.
+
+Candidates are chosen, not drawn: proposals are `deterministic` (q = a point mass on each
+candidate), which the verifier accepts losslessly for greedy and sampled requests alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.heads.hydra import HydraHeads
+from specserve.protocol import DETERMINISTIC, Proposal, ProposeRequest, TokenTree
+from specserve.trees import grow_level, growth_for
+
+
+class HydraProposer:
+    method = "hydra"
+
+    def __init__(self, heads: HydraHeads, *, vocab_size: int | None = None, min_confidence: float = 0.0):
+        self.heads = heads
+        self.num_heads = heads.config.num_heads
+        self.min_confidence = min_confidence  # chains: stop after a head top-1 below this
+        # lm_head rows past the tokenizer's vocabulary (padding) are never proposed.
+        limit = vocab_size or heads.config.vocab_size
+        self._padding = heads.token_map >= limit
+
+    @torch.inference_mode()
+    def propose_from_hidden(self, requests: list[ProposeRequest], hidden: torch.Tensor) -> list[Proposal]:
+        """hidden: [len(requests), hidden], the target's last hidden state after each request's
+        last committed token (request.token_ids[-1], the root). One batched heads call per
+        level for every request."""
+        if not requests:
+            return []
+        growths = [growth_for(min(r.k, self.num_heads), r.tree, self.min_confidence) if r.k > 0 else None
+                   for r in requests]
+        drafts = [_Draft(r.token_ids[-1]) for r in requests]
+        width = min(max((g.max_children for g in growths if g is not None), default=1),
+                    self.heads.config.head_vocab_size)
+        hidden = hidden.to(self.heads.token_map.device)
+        for depth in range(self.num_heads):
+            frontier = [(b, node) for b, g in enumerate(growths) if g is not None for node in g.frontier()]
+            if not frontier:
+                break
+            rows = torch.tensor([b for b, _ in frontier], device=hidden.device)
+            paths = torch.tensor([drafts[b].path(node) for b, node in frontier], device=hidden.device)
+            logits = self.heads.head_logits(depth, hidden[rows], paths)  # [N, head_vocab]
+            probs, index = logits.masked_fill(self._padding, float("-inf")).float().softmax(-1).topk(width, dim=-1)
+            ids, probs = self.heads.token_map[index].cpu().tolist(), probs.cpu().tolist()
+            by_request: dict[int, dict[int, tuple[list[int], list[float]]]] = {}
+            for i, (b, node) in enumerate(frontier):
+                by_request.setdefault(b, {})[node] = (ids[i], probs[i])
+            for b, candidates in by_request.items():
+                drafts[b].grow(growths[b], candidates)
+        return [Proposal(r.request_id, d.tree(), DETERMINISTIC) for r, d in zip(requests, drafts)]
+
+    def release(self, request_id: str) -> None:
+        """Heads keep no per-request state."""
+
+
+class _Draft:
+    """One request's tree while it grows, with each node's path from the root token."""
+
+    def __init__(self, root: int):
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self._paths: list[list[int]] = []
+        self._root = [int(root)]
+
+    def path(self, node: int) -> list[int]:
+        """The root token, then the tokens down to `node` (-1: the root alone)."""
+        return self._root if node < 0 else self._paths[node]
+
+    def grow(self, growth, candidates: dict[int, tuple[list[int], list[float]]]) -> None:
+        for child in grow_level(growth, list(candidates), candidates, self.tokens, self.parents):
+            self._paths.append(self.path(self.parents[child]) + [self.tokens[child]])
+
+    def tree(self) -> TokenTree:
+        return TokenTree(tuple(self.tokens), tuple(self.parents))

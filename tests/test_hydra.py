@@ -1,0 +1,173 @@
+"""Hydra heads, co-located: path-conditioned heads, level-by-level trees, exactness (greedy and
+sampled), files, and the wiring that picks the right heads. Tiny seeded random models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import hf_greedy, make_hydra_decoder, tiny_heads, tiny_hydra_heads, tiny_model
+from specserve.protocol import DETERMINISTIC, ProposeRequest, SamplingParams, SpecserveError, TreeSpec
+from test_decoder import SMALL_VOCAB, tv
+from test_medusa import PROMPTS, SHAPES, empirical_second_and_third_tokens, exact_second_and_third_tokens
+
+# ---- the heads ----------------------------------------------------------------------------
+
+
+def test_an_untrained_hydra_head_is_an_untrained_medusa_head():
+    model = tiny_model("qwen2", seed=1)
+    hydra, medusa = tiny_hydra_heads(model, num_heads=3), tiny_heads(model, num_heads=3)
+    hidden, path = torch.randn(5, model.config.hidden_size), torch.randint(0, 97, (5, 3))
+    torch.testing.assert_close(hydra(hidden, path), medusa(hidden))
+
+
+def test_head_i_reads_the_first_i_plus_one_path_tokens():
+    model = tiny_model("llama", seed=2)
+    heads = tiny_hydra_heads(model, num_heads=3, noise=0.1)
+    hidden = torch.randn(4, model.config.hidden_size)
+    path = torch.randint(0, 97, (4, 3))
+    other = path.clone()
+    other[:, 2] = (other[:, 2] + 1) % 97  # only the last token differs
+    a, b = heads(hidden, path), heads(hidden, other)
+    torch.testing.assert_close(a[:2], b[:2])  # heads 0 and 1 never read path[:, 2]
+    assert not torch.allclose(a[2], b[2])
+    for i in range(3):  # the teacher-forced pass is the serving one, head by head
+        torch.testing.assert_close(heads.head_logits(i, hidden, path[:, : i + 1]), a[i])
+    with pytest.raises(SpecserveError, match="reads a path of 2 tokens"):
+        heads.head_logits(1, hidden, path)
+
+
+def test_heads_for_another_model_are_refused():
+    from specserve.heads.hydra import HydraConfig, HydraHeads
+
+    model = tiny_model("qwen2", seed=1)
+    config = HydraConfig(hidden_size=32, vocab_size=97)
+    with pytest.raises(SpecserveError, match="trained for another model"):
+        HydraHeads(config, model.lm_head.weight, model.get_input_embeddings().weight)
+    with pytest.raises(SpecserveError, match=">= 1 head"):
+        HydraConfig(hidden_size=64, vocab_size=97, num_heads=0)
+
+
+# ---- trees, level by level ------------------------------------------------------------------
+
+
+class CountingHeads:
+    """Wraps heads, counting `head_logits` calls (one per tree level, whatever the batch)."""
+
+    def __init__(self, heads):
+        self.inner, self.calls = heads, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def head_logits(self, index, hidden, path):
+        self.calls.append((index, len(path)))
+        return self.inner.head_logits(index, hidden, path)
+
+
+def test_candidates_depend_on_their_path_and_each_level_is_one_batched_call():
+    from specserve.proposers.hydra import HydraProposer
+
+    model = tiny_model("qwen2", seed=1)
+    heads = tiny_hydra_heads(model, num_heads=3, noise=0.2)
+    counting = CountingHeads(heads)
+    proposer = HydraProposer(counting)
+    params = SamplingParams()
+    static = SHAPES["static"]["tree"]  # (0,) (1,) (2,) (0, 0) (0, 1) (1, 0) (0, 0, 0)
+    requests = [ProposeRequest("static", [4, 1], 3, params, 0, static),
+                ProposeRequest("dynamic", [2], 3, params, 0, TreeSpec(budget=6, depth=3, width=2, min_score=0.0)),
+                ProposeRequest("chain", [7, 8, 9], 8, params, 0),  # capped at the number of heads
+                ProposeRequest("off", [1], 0, params, 0)]
+    hidden = torch.randn(4, model.config.hidden_size)
+    out = proposer.propose_from_hidden(requests, hidden)
+    assert all(p.law == DETERMINISTIC and p.dists is None for p in out)
+    assert [c[0] for c in counting.calls] == [0, 1, 2]  # one call per level, every request in it
+    assert counting.calls[0][1] == 3  # the three roots (the request with k=0 drafts nothing)
+
+    def top(index, b, path, n):
+        logits = heads.head_logits(index, hidden[b: b + 1], torch.tensor([path]))[0]
+        return logits.topk(n).indices.tolist()
+
+    chain = out[2].tree
+    assert chain.is_chain and len(chain) == 3
+    a = top(0, 2, [9], 1)[0]
+    b = top(1, 2, [9, a], 1)[0]
+    assert list(chain.tokens) == [a, b, top(2, 2, [9, a, b], 1)[0]]
+
+    tree = out[0].tree
+    assert len(tree) == len(static.shape) and tree.parents == (-1, -1, -1, 0, 0, 1, 3)
+    first = top(0, 0, [1], 3)
+    assert list(tree.tokens[:3]) == first  # the root's children: head 0's top 3 after the root token
+    assert list(tree.tokens[3:5]) == top(1, 0, [1, first[0]], 2)  # each node's children read its own path
+    assert [tree.tokens[5]] == top(1, 0, [1, first[1]], 1)
+    assert [tree.tokens[6]] == top(2, 0, [1, first[0], tree.tokens[3]], 1)
+
+    assert len(out[1].tree) == 6 and max(out[1].tree.depths) <= 3
+    assert len(out[3].tree) == 0
+
+
+def test_dynamic_trees_score_paths_by_the_product_of_conditional_probabilities():
+    """With a budget of two nodes and width 2, the second node is the root's second child
+    exactly when p0(second) beats p0(first) * p1(best child of first | first)."""
+    from specserve.proposers.hydra import HydraProposer
+
+    model = tiny_model("llama", seed=4)
+    heads = tiny_hydra_heads(model, num_heads=2, noise=0.3)
+    hidden = torch.randn(1, model.config.hidden_size)
+    spec = TreeSpec(budget=2, depth=2, width=2, min_score=0.0)
+    [proposal] = HydraProposer(heads).propose_from_hidden([ProposeRequest("r", [3], 2, SamplingParams(), 0, spec)],
+                                                          hidden)
+    p0 = heads.head_logits(0, hidden, torch.tensor([[3]]))[0].softmax(-1)
+    first, second = p0.topk(2).indices.tolist()
+    p1 = heads.head_logits(1, hidden, torch.tensor([[3, first]]))[0].softmax(-1)
+    deeper = float(p0[first] * p1.max())
+    expected_parents = (-1, 0) if deeper > float(p0[second]) else (-1, -1)
+    assert proposal.tree.parents == expected_parents
+
+
+# ---- exactness end to end ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_greedy_hydra_output_equals_target_alone(arch, shape):
+    target = tiny_model(arch, seed=11)
+    decoder = make_hydra_decoder(target, tiny_hydra_heads(target, noise=0.02), **SHAPES[shape])
+    outs = decoder.generate(PROMPTS, SamplingParams(max_tokens=24))  # four requests share each pass
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(target, prompt, 24)
+    stats = decoder.last_report.stats
+    assert stats.num_accepted_tokens > 0  # drafts were accepted, so tree paths and compaction ran
+    if shape != "chain":
+        assert sum(stats.num_accepted_tokens_per_rank[1:]) > 0  # and so were second-ranked candidates
+    assert outs[0].speculation["proposer"] == "hydra"
+
+
+def test_a_hydra_round_is_one_target_pass_for_the_whole_batch():
+    target = tiny_model("qwen2", seed=11)
+    decoder = make_hydra_decoder(target, **SHAPES["static"])
+    worker = decoder.verifier.worker
+    before = worker.forward_passes
+    outs = decoder.generate(PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True))
+    rounds = max(o.stats.target_steps for o in outs)
+    assert worker.forward_passes - before == rounds
+    assert decoder.last_report.stats.mean_accepted_length > 1.0
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, max_tokens=4),
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=4),
+], ids=["t1", "t0.7-topk5-topp0.9"])
+def test_sampled_hydra_trees_follow_the_target_distribution(params):
+    target = tiny_model("qwen2", seed=5, vocab_size=SMALL_VOCAB)
+    prompt = [1, 2, 3]
+    exact = exact_second_and_third_tokens(target, prompt, params)
+    tree = TreeSpec(shape=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1)))  # siblings at both levels
+    decoder = make_hydra_decoder(target, tiny_hydra_heads(target, num_heads=2, noise=0.3), shape="tree", tree=tree)
+    errors = [tv(empirical_second_and_third_tokens(decoder, prompt, params, n, seed_base=n), exact)
+              for n in (500, 8000)]
+    assert errors[1] < errors[0] and errors[1] < 0.05
+    stats = decoder.last_report.stats
+    assert stats.num_draft_tokens > 0 and sum(stats.num_accepted_tokens_per_rank[1:]) > 0
