@@ -62,18 +62,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .loading import set_torch_threads
     from .protocol import DRAFT_POOL_PROPOSERS, SamplingParams, Speculation
 
-    default = "draft" if args.draft else "medusa" if args.heads else "none"
-    spec = Speculation(proposer=default, k=args.k, tree=_tree_spec(args)).overridden(  # fail before loading gigabytes
+    spec = Speculation(proposer=_default_proposer(args), k=args.k, tree=_tree_spec(args)).overridden(
         method=args.method, proposer=args.proposer, shape=args.shape, acceptance=args.acceptance, policy=args.policy)
     if spec.proposer in DRAFT_POOL_PROPOSERS and not args.draft:
         raise SpecserveError(f"proposer {spec.proposer} needs --draft MODEL (or use --proposer none)")
-    heads = args.heads or ("default" if spec.co_located else None)
+    heads = None
+    if spec.co_located:  # missing heads, or heads of another method, fail before loading gigabytes
+        from .heads import require_heads
+
+        heads = str(require_heads(args.target, args.heads or "default", spec.proposer))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
     set_torch_threads(args.threads)
     decoder = SpeculativeDecoder.from_pretrained(
         args.target, draft=args.draft if spec.proposer in DRAFT_POOL_PROPOSERS else None,
-        heads=heads if spec.co_located else None, dtype=args.dtype, device=args.device,
+        heads=heads, dtype=args.dtype, device=args.device,
         speculation=spec, draft_min_confidence=args.draft_confidence)
     prompts = args.prompt
     if args.chat:  # the template writes the special tokens itself
@@ -106,6 +109,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _default_proposer(args: argparse.Namespace) -> str:
+    """draft with --draft, the heads' own method with --heads, else none."""
+    if args.draft:
+        return "draft"
+    if args.heads:
+        from .heads import find_heads, heads_method
+
+        directory = find_heads(args.target, args.heads)
+        return heads_method(directory) if directory is not None else "medusa"
+    return "none"
+
+
 def _tree_spec(args: argparse.Namespace):
     import json
 
@@ -130,12 +145,12 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the target's chat template")
     p.add_argument("--proposer", choices=list(PROPOSERS),
                    help="where drafts come from: ngram = prompt lookup, no model (default: draft with --draft, "
-                        "medusa with --heads, else none)")
+                        "the heads' method (medusa or hydra) with --heads, else none)")
     p.add_argument("--shape", choices=["chain", "tree"], help="a chain of -k tokens (default) or a token tree")
     p.add_argument("--method", choices=["draft", "tree", "none"],
                    help="older spelling: draft = --proposer draft --shape chain, tree = --proposer draft --shape tree")
-    p.add_argument("--heads", help="Medusa heads from `specserve train-heads` (a directory; default with "
-                                   "--proposer medusa: $SPECSERVE_HOME/heads/<target>-medusa)")
+    p.add_argument("--heads", help="Medusa or Hydra heads from `specserve train-heads` (a directory; default with "
+                                   "--proposer medusa|hydra: $SPECSERVE_HOME/heads/<target>-<proposer>)")
     p.add_argument("--acceptance", choices=["exact", "typical"],
                    help="exact (default, lossless) or typical (Medusa's typical acceptance: LOSSY)")
     p.add_argument("-k", "--k", type=int, default=4, help="draft tokens per round (default 4)")
@@ -218,16 +233,18 @@ def add_train_heads_parser(subparsers) -> None:
 
     d = TrainOptions()
     p = subparsers.add_parser(
-        "train-heads", help="train Medusa heads on a target from offline text",
-        description="Train Medusa heads by distillation from the target on offline text (HumanEval, MT-Bench, "
+        "train-heads", help="train Medusa or Hydra heads on a target from offline text",
+        description="Train Medusa or Hydra heads by distillation from the target on offline text (HumanEval, MT-Bench, "
                     "Python's standard library; the prompts the benchmarks use are held out). The target's "
                     "hidden states are cached under OUT/cache; OUT/checkpoint.pt lets --resume continue.")
-    p.add_argument("--method", default="medusa", help="head method (default medusa; the only one built)")
+    p.add_argument("--method", default="medusa",
+                   help="head method: medusa (default; heads on h_t) or hydra (heads that also read the tokens "
+                        "drafted before them)")
     p.add_argument("--target", required=True, help="registry name, local directory or Hub id")
     p.add_argument("--out", help="where the heads go (default $SPECSERVE_HOME/heads/<target>-<method>)")
     p.add_argument("--heads", type=int, default=d.num_heads, help=f"number of heads (default {d.num_heads})")
     p.add_argument("--layers", type=int, default=d.num_layers,
-                   help=f"residual blocks per head (default {d.num_layers})")
+                   help=f"residual blocks per head (default {d.num_layers}; hydra: the input block counts as one)")
     p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"peak AdamW learning rate (default {d.lr})")
     p.add_argument("--batch-size", type=int, default=d.batch_size,
@@ -245,7 +262,7 @@ def add_train_heads_parser(subparsers) -> None:
     p.add_argument("--head-vocab", type=int, help="tokens the heads can propose (default: the whole vocabulary "
                                                   "up to 65536 tokens, else the 32768 most frequent)")
     p.add_argument("--own-lm-head", action="store_true",
-                   help="train a copy of the lm_head per head (default: share the target's, frozen)")
+                   help="medusa: train a copy of the lm_head per head (default: share the target's, frozen)")
     p.add_argument("--seed", type=int, default=d.seed, help=f"same seed, same heads (default {d.seed})")
     p.add_argument("--dtype", default=d.dtype,
                    help=f"the target's dtype while caching hidden states (default {d.dtype}); heads train in float32")

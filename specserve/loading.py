@@ -11,6 +11,7 @@ import torch
 from specserve import models
 from specserve.engine.torch_worker import TorchWorker
 from specserve.proposers.draft_model import DraftModelProposer
+from specserve.protocol import SpecserveError
 from specserve.verifier import Verifier
 
 
@@ -25,6 +26,25 @@ def eos_ids(model, tokenizer) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def load_heads_proposer(directory: Path, worker: TorchWorker, *, method: str | None = None,
+                        min_confidence: float = 0.0):
+    """The heads in `directory` (from `specserve.heads.require_heads`) for a loaded target
+    worker, on its device and dtype, as the proposer of their method (config.json says which).
+    `method`: the proposer asked for; heads of another method are refused."""
+    from specserve.heads import heads_method
+
+    found = heads_method(directory)
+    if method is not None and method != found:
+        raise SpecserveError(f"proposer {method!r} needs {method} heads; {directory} holds {found} heads")
+    if found == "hydra":
+        from specserve.heads.hydra import load_heads as load_hydra
+        from specserve.proposers.hydra import HydraProposer
+
+        heads = load_hydra(directory, worker.model.lm_head.weight, worker.model.get_input_embeddings().weight)
+        return HydraProposer(heads, vocab_size=worker.vocab_size, min_confidence=min_confidence)
+    return load_medusa(directory, worker, min_confidence=min_confidence)
 
 
 def load_medusa(directory: Path, worker: TorchWorker, *, min_confidence: float = 0.0):
@@ -44,7 +64,7 @@ class LoadedPair:
     tokenizer: object
     eos_token_ids: set[int]
     max_context: int
-    heads: object | None = None  # a MedusaProposer co-located with the target
+    heads: object | None = None  # a MedusaProposer or HydraProposer co-located with the target
 
     def verifier(self) -> Verifier:
         return Verifier(self.target, self.heads)
@@ -55,13 +75,15 @@ class LoadedPair:
         return DraftModelProposer(self.draft, top_m=top_m, min_confidence=min_confidence)
 
 
-def load_pair(target: str, draft: str | None = None, *, heads: str | None = None, dtype: str = "bfloat16",
-              device: str = "cpu") -> LoadedPair:
+def load_pair(target: str, draft: str | None = None, *, heads: str | None = None, heads_method: str | None = None,
+              dtype: str = "bfloat16", device: str = "cpu") -> LoadedPair:
     """Load the target (and draft, and heads) into torch workers. A draft that does not share
-    the target's vocabulary is refused before any weights are loaded, and so are missing heads."""
+    the target's vocabulary is refused before any weights are loaded, and so are missing heads
+    and heads of another method than `heads_method` (None: whichever the directory holds;
+    heads="default" is then Medusa's)."""
     from specserve.heads import require_heads
 
-    heads_dir = require_heads(target, heads) if heads is not None else None
+    heads_dir = require_heads(target, heads, heads_method) if heads is not None else None
     from transformers import AutoConfig
 
     tokenizer = models.load_tokenizer(target)
@@ -85,5 +107,5 @@ def load_pair(target: str, draft: str | None = None, *, heads: str | None = None
         tokenizer,
         eos_ids(target_model, tokenizer),
         max_context,
-        load_medusa(heads_dir, target_worker) if heads_dir is not None else None,
+        load_heads_proposer(heads_dir, target_worker) if heads_dir is not None else None,
     )

@@ -171,3 +171,93 @@ def test_sampled_hydra_trees_follow_the_target_distribution(params):
     assert errors[1] < errors[0] and errors[1] < 0.05
     stats = decoder.last_report.stats
     assert stats.num_draft_tokens > 0 and sum(stats.num_accepted_tokens_per_rank[1:]) > 0
+
+
+# ---- files and wiring ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved_heads(tmp_path):
+    """A tiny target, and Hydra and Medusa heads for it saved to directories."""
+    model = tiny_model("qwen2", seed=3)
+    hydra = tiny_hydra_heads(model, num_heads=2, noise=0.1, head_vocab_size=60)
+    hydra.save(tmp_path / "hydra")
+    tiny_heads(model, num_heads=2).save(tmp_path / "medusa")
+    return model, hydra, tmp_path / "hydra", tmp_path / "medusa"
+
+
+def test_loading_builds_the_proposer_the_directory_holds(saved_heads):
+    from specserve.engine.torch_worker import TorchWorker
+    from specserve.loading import load_heads_proposer
+    from specserve.proposers.hydra import HydraProposer
+    from specserve.proposers.medusa import MedusaProposer
+
+    model, hydra, hydra_dir, medusa_dir = saved_heads
+    worker = TorchWorker(model)
+    loaded = load_heads_proposer(hydra_dir, worker)
+    assert isinstance(loaded, HydraProposer) and loaded.method == "hydra"
+    assert isinstance(load_heads_proposer(medusa_dir, worker), MedusaProposer)
+    assert json.loads((hydra_dir / "config.json").read_text())["method"] == "hydra"
+    spec = TreeSpec(shape=((0,), (1,), (0, 0), (1, 0)))
+    requests = [ProposeRequest("r", [5, 9], 2, SamplingParams(), 0, spec)]
+    hidden = torch.randn(1, model.config.hidden_size)
+    assert (loaded.propose_from_hidden(requests, hidden)[0].tree
+            == HydraProposer(hydra).propose_from_hidden(requests, hidden)[0].tree)
+    with pytest.raises(SpecserveError, match="proposer 'hydra' needs hydra heads; .* holds medusa heads"):
+        load_heads_proposer(medusa_dir, worker, method="hydra")
+    with pytest.raises(SpecserveError, match="holds 'hydra' heads, not Medusa heads"):
+        from specserve.heads.medusa import load_heads
+
+        load_heads(hydra_dir, model.lm_head.weight)
+
+
+def test_heads_of_another_method_or_missing_heads_are_refused(saved_heads, tmp_path, monkeypatch):
+    from specserve.heads import require_heads
+
+    _, _, hydra_dir, medusa_dir = saved_heads
+    assert require_heads("m", str(hydra_dir), "hydra") == hydra_dir
+    assert require_heads("m", str(hydra_dir)) == hydra_dir  # no method asked: whatever is there
+    with pytest.raises(SpecserveError, match="holds medusa heads, not hydra heads: use proposer 'medusa'"):
+        require_heads("m", str(medusa_dir), "hydra")
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path / "home"))
+    with pytest.raises(SpecserveError, match=r"no Hydra heads for m at .*m-hydra; .*train-heads --method hydra"):
+        require_heads("m", "default", "hydra")
+
+
+def test_the_serve_builder_checks_the_heads_method_and_resolves_default(saved_heads, tmp_path, monkeypatch):
+    from specserve.serve import check_heads
+    from specserve.serve.config import AppArgs
+
+    _, _, hydra_dir, medusa_dir = saved_heads
+    hub = "org/tiny"  # a Hub id: the builder leaves the shape check to the replicas
+
+    def args(heads, proposer="hydra"):
+        return AppArgs.model_validate({"target": {"model": hub, "heads": str(heads)},
+                                       "speculation": {"proposer": proposer}})
+
+    assert check_heads(args(hydra_dir)) == hydra_dir
+    with pytest.raises(SpecserveError, match="holds medusa heads, not hydra heads"):
+        check_heads(args(medusa_dir))
+    with pytest.raises(SpecserveError, match="holds hydra heads, not medusa heads"):
+        check_heads(args(hydra_dir, "medusa"))
+    assert check_heads(args(medusa_dir, "none")) == medusa_dir  # per-request proposers only
+    home = tmp_path / "home"
+    monkeypatch.setenv("SPECSERVE_HOME", str(home))
+    hydra_default = home / "heads" / "org--tiny-hydra"
+    tiny_hydra_heads(tiny_model("qwen2", seed=3), num_heads=2).save(hydra_default)
+    assert check_heads(args("default")) == hydra_default
+
+
+def test_cli_generate_picks_and_checks_the_heads_method(saved_heads, capsys):
+    import argparse
+
+    from specserve import cli
+
+    _, _, hydra_dir, medusa_dir = saved_heads
+    argv = ["generate", "--target", "smollm2-135m-instruct", "--prompt", "x", "--proposer", "hydra"]
+    assert cli.main(argv + ["--heads", str(medusa_dir)]) == cli.EXIT_USAGE  # before any model is loaded
+    assert "holds medusa heads, not hydra heads" in capsys.readouterr().err
+    defaults = dict(target="t", draft=None)
+    assert cli._default_proposer(argparse.Namespace(heads=str(hydra_dir), **defaults)) == "hydra"
+    assert cli._default_proposer(argparse.Namespace(heads=str(medusa_dir), **defaults)) == "medusa"
+    assert cli._default_proposer(argparse.Namespace(heads=None, **defaults)) == "none"

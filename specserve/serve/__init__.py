@@ -4,7 +4,7 @@
                                              Router (HTTP ingress, owns requests, drives rounds)
     TargetPool (large model, own replicas)  /
 
-With `target.heads` the target pool is a CoLocatedPool (target + Medusa heads in one replica);
+With `target.heads` the target pool is a CoLocatedPool (target + Medusa or Hydra heads in one replica);
 a draft pool is then optional.
 """
 
@@ -43,21 +43,25 @@ def check_vocabularies(args: AppArgs) -> None:
     check_same_vocabulary(target, draft)
 
 
-def check_heads(args: AppArgs) -> None:
-    """Refuse, when the app is built, heads that are missing or made for another model: a
-    replica that cannot load them would only crash-loop."""
+def check_heads(args: AppArgs):
+    """Refuse, when the app is built, heads that are missing, of another method than the
+    speculation's proposer (hydra asked, medusa heads there), or made for another model: a
+    replica that cannot load them would only crash-loop. Returns their directory (`default`
+    resolved for the proposer's method), or None without heads."""
     import json
     from pathlib import Path
 
     from specserve.heads import require_heads
     from specserve.models import is_hub_id, resolve
+    from specserve.protocol import HEAD_PROPOSERS
 
     if args.target.heads is None:
-        return
-    directory = require_heads(args.target.model, args.target.heads)
+        return None
+    proposer = args.speculation.proposer
+    directory = require_heads(args.target.model, args.target.heads, proposer if proposer in HEAD_PROPOSERS else None)
     heads = json.loads((directory / "config.json").read_text())
     if is_hub_id(args.target.model):
-        return  # the target's config is fetched by the replicas; they compare shapes at load
+        return directory  # the target's config is fetched by the replicas; they compare shapes at load
     config = json.loads((Path(resolve(args.target.model, pull_missing=False)) / "config.json").read_text())
     text = config.get("text_config", config)
     if (heads.get("hidden_size"), heads.get("vocab_size")) != (text.get("hidden_size"), text.get("vocab_size")):
@@ -65,6 +69,7 @@ def check_heads(args: AppArgs) -> None:
             f"the heads at {directory} were trained for a model with hidden size {heads.get('hidden_size')} and "
             f"{heads.get('vocab_size')} tokens; {args.target.model} has {text.get('hidden_size')} and "
             f"{text.get('vocab_size')}: train heads for this target with `specserve train-heads`")
+    return directory
 
 
 def _pool_options(name: str, pool: PoolArgs) -> dict:
@@ -82,9 +87,10 @@ def build_app(args: dict | AppArgs) -> Application:
 
     config = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     check_vocabularies(config)
-    check_heads(config)
-    pool, name = (CoLocatedPool, "CoLocatedPool") if config.target.heads is not None else (TargetPool, "TargetPool")
-    target = pool.options(**_pool_options(name, config.target)).bind(config.target.model_dump())
+    heads = check_heads(config)
+    pool, name = (CoLocatedPool, "CoLocatedPool") if heads is not None else (TargetPool, "TargetPool")
+    target_args = config.target.model_dump() | ({"heads": str(heads)} if heads is not None else {})
+    target = pool.options(**_pool_options(name, config.target)).bind(target_args)
     draft = None
     if config.draft is not None:
         draft = DraftPool.options(**_pool_options("DraftPool", config.draft)).bind(

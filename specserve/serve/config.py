@@ -44,9 +44,10 @@ class PoolArgs(_DeploymentArgs):
     engine: Literal["torch", "vllm"] = Field(
         "torch", description="torch: specserve's own engine (CPU, one GPU). vllm: not implemented yet")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="engine-specific options")
-    heads: str | None = Field(None, description="target only: Medusa heads trained by `specserve train-heads` "
-                              "(a directory, or 'default' for $SPECSERVE_HOME/heads/<model>-medusa); the target "
-                              "pool then becomes a co-located pool that verifies and proposes in one pass")
+    heads: str | None = Field(None, description="target only: Medusa or Hydra heads trained by `specserve "
+                              "train-heads` (a directory, or 'default' for $SPECSERVE_HOME/heads/<model>-<method>, "
+                              "the method being speculation.proposer's, else medusa); the target pool then becomes "
+                              "a co-located pool that verifies and proposes in one pass")
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     device: str = "cpu"
     torch_threads: int | None = Field(None, ge=1, description="torch threads per replica (default: num_cpus)")
@@ -146,8 +147,8 @@ class SpeculationArgs(_Strict):
     """Deployment-wide defaults; a request may override any of proposer, shape, k, tree and
     acceptance (`"speculation"` in the request body)."""
 
-    proposer: Literal[PROPOSERS] = Field("draft", description="none | draft (a draft pool) | medusa (heads on "  # type: ignore[valid-type]
-                                         "the target, co-located) | ngram (prompt lookup, no model)")
+    proposer: Literal[PROPOSERS] = Field("draft", description="none | draft (a draft pool) | medusa | hydra "  # type: ignore[valid-type]
+                                         "(heads on the target, co-located) | ngram (prompt lookup, no model)")
     shape: Literal[SHAPES] = Field("chain", description="chain (k tokens) | tree (dynamic, or static "  # type: ignore[valid-type]
                                    "when tree.shape is set)")
     k: int = Field(4, ge=0, le=MAX_K, description="chain length")
@@ -212,7 +213,7 @@ class AppArgs(_Strict):
         proposer = self.speculation.proposer
         if proposer in DRAFT_POOL_PROPOSERS and self.draft is None:
             raise ValueError(f"speculation.proposer {proposer!r} needs a draft pool: add `draft:`, "
-                             "or use proposer 'none' (or 'medusa' with `target.heads`)")
+                             "or use proposer 'none' (or 'medusa' / 'hydra' with `target.heads`)")
         if proposer in HEAD_PROPOSERS and self.target.heads is None:
             raise ValueError(f"speculation.proposer {proposer!r} needs heads on the target: set `target.heads` "
                              "to a directory written by `specserve train-heads` (or 'default')")

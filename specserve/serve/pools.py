@@ -1,7 +1,7 @@
 """Model pool deployments: DraftPool, TargetPool and CoLocatedPool, each an autoscaled pool of
 replicas that each hold one engine worker and the KV caches of the requests routed to it.
-CoLocatedPool is a TargetPool whose replicas also hold heads (Medusa): its verify pass returns
-the next round's proposal too.
+CoLocatedPool is a TargetPool whose replicas also hold heads (Medusa or Hydra): its verify pass
+returns the next round's proposal too.
 
 Thin Ray Serve glue: the engine is built by `build_engine` (injectable for tests), and all
 model work happens in the worker, in a thread, one batch at a time. Calls that arrive while a
@@ -247,7 +247,9 @@ class _Verifying(_Pool):
 
     async def model_info(self) -> dict:
         return {"max_context": self.worker.config.max_position_embeddings,
-                "eos_token_ids": sorted(self._eos_ids())}
+                "eos_token_ids": sorted(self._eos_ids()),
+                # the head proposer this pool serves (medusa, hydra), None without heads
+                "heads_method": getattr(self.verifier.heads, "method", None)}
 
     def _eos_ids(self) -> set[int]:
         from specserve.loading import eos_ids
@@ -268,9 +270,10 @@ class CoLocatedPool(_Verifying):
 
     def _heads(self):
         from specserve.heads import require_heads
-        from specserve.loading import load_medusa
+        from specserve.loading import load_heads_proposer
 
-        heads = load_medusa(require_heads(self.args["model"], self.args["heads"]), self.worker)
-        logger.info("CoLocatedPool: %d Medusa heads over %d tokens", heads.num_heads,
+        # build_app resolved `heads: default` to the directory of the speculation's method
+        heads = load_heads_proposer(require_heads(self.args["model"], self.args["heads"]), self.worker)
+        logger.info("CoLocatedPool: %d %s heads over %d tokens", heads.num_heads, heads.method,
                     heads.heads.config.head_vocab_size)
         return heads
