@@ -79,7 +79,7 @@ class SpeculativeDecoder:
         self.proposer = proposer
         self.ngram = NgramProposer()
         default = Speculation(proposer="draft" if proposer is not None
-                              else "medusa" if verifier.heads is not None else "none")
+                              else getattr(verifier.heads, "method", "medusa") if verifier.heads is not None else "none")
         self.speculation = (speculation or default).overridden(method=method, k=k, tree=tree)
         self._check_proposer(self.speculation)
         self.tokenizer = tokenizer
@@ -116,6 +116,10 @@ class SpeculativeDecoder:
         if spec.co_located and self.verifier.heads is None:
             raise SpecserveError(f"proposer {spec.proposer!r} needs heads on the target (train them with "
                                  "`specserve train-heads`)")
+        held = getattr(self.verifier.heads, "method", spec.proposer)
+        if spec.co_located and self.verifier.heads is not None and spec.proposer != held:
+            raise SpecserveError(f"proposer {spec.proposer!r} needs {spec.proposer} heads; this target holds "
+                                 f"{held} heads (use proposer {held!r})")
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -241,7 +241,7 @@ class Router:
         if speculation.proposer in DRAFT_POOL_PROPOSERS and self.draft is None:
             raise SpecserveError(f"this deployment has no draft pool for proposer {speculation.proposer!r}: "
                                  f"use {', '.join(repr(p) for p in self._proposers())}")
-        if speculation.co_located and self.args.target.heads is None:
+        if speculation.co_located and speculation.proposer != info.get("heads_method"):
             raise SpecserveError(f"this deployment's target has no heads for proposer {speculation.proposer!r}: "
                                  f"use {', '.join(repr(p) for p in self._proposers())}")
         if any(t < 0 or t >= self.codec.tokenizer.get_vocab_size(with_added_tokens=True) for t in prompt_ids):
@@ -253,8 +253,8 @@ class Router:
 
     def _proposers(self) -> list[str]:
         """The proposers this deployment can serve."""
-        return ["none", "ngram"] + (["draft"] if self.draft is not None else []) + (
-            ["medusa"] if self.args.target.heads is not None else [])
+        heads = (self._info or {}).get("heads_method")  # the co-located pool says which heads it holds
+        return ["none", "ngram"] + (["draft"] if self.draft is not None else []) + ([heads] if heads else [])
 
     def _text(self, state: RequestState) -> str:
         return state.stop_text if state.stop_text is not None else self.codec.decode(state.output_ids)
