@@ -97,6 +97,14 @@ def tv(a, b) -> float:
     return 0.5 * float((a - b).abs().sum())
 
 
+def assert_converges(empirical, exact, sizes=(500, 8000), tolerance: float = 0.05) -> list[float]:
+    """`empirical(n)` (n samples) gets closer to `exact` as n grows, and ends within `tolerance`
+    total variation. Returns the errors."""
+    errors = [tv(empirical(n), exact) for n in sizes]
+    assert errors[1] < errors[0] and errors[1] < tolerance, errors
+    return errors
+
+
 @pytest.mark.parametrize("params,top_m", [
     (SamplingParams(temperature=1.0, max_tokens=2), 64),
     (SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=2), 64),
@@ -109,10 +117,7 @@ def test_sampled_output_follows_the_target_distribution(params, top_m):
     exact = exact_two_token_distribution(target, prompt, params)
     assert tv(exact, exact_two_token_distribution(draft, prompt, params)) > 0.05  # a real gap to close
     decoder = make_decoder(target, draft, k=2, top_m=top_m)
-    errors = [tv(empirical_two_token_distribution(decoder, prompt, params, n, seed_base=n), exact)
-              for n in (500, 8000)]
-    assert errors[1] < errors[0]
-    assert errors[1] < 0.05
+    errors = assert_converges(lambda n: empirical_two_token_distribution(decoder, prompt, params, n, seed_base=n), exact)
     torch.manual_seed(0)
     random_refs = [tv(torch.distributions.Dirichlet(torch.ones(len(exact))).sample(), exact) for _ in range(10)]
     assert errors[1] < min(random_refs) / 4
@@ -241,10 +246,7 @@ def test_sampled_tree_output_follows_the_target_distribution(spec):
     exact = exact_two_token_distribution(target, prompt, params)
     decoder = make_decoder(target, draft, method="tree", top_m=64)
     decoder.speculation = replace(decoder.speculation, tree=TreeSpec(**spec))
-    errors = [tv(empirical_two_token_distribution(decoder, prompt, params, n, seed_base=n), exact)
-              for n in (500, 8000)]
-    assert errors[1] < errors[0]
-    assert errors[1] < 0.05
+    assert_converges(lambda n: empirical_two_token_distribution(decoder, prompt, params, n, seed_base=n), exact)
     stats = decoder.last_report.stats
     assert stats.num_reached_tokens_per_rank[2] > 0 and stats.num_accepted_tokens_per_rank[1] > 0
 
@@ -329,10 +331,7 @@ def test_sampled_output_follows_the_target_distribution_when_k_varies(monkeypatc
     decoder = make_decoder(target, draft, k=2, top_m=64)
     decoder.policy = RandomDepthPolicy(seed=2)
     decoder.speculation = replace(decoder.speculation, policy="adaptive")
-    errors = [tv(empirical_two_token_distribution(decoder, prompt, params, n, seed_base=n), exact)
-              for n in (500, 8000)]
-    assert errors[1] < errors[0]
-    assert errors[1] < 0.05
+    assert_converges(lambda n: empirical_two_token_distribution(decoder, prompt, params, n, seed_base=n), exact)
     assert set(decoder.policy.chosen) == {0, 1, 2}  # first rounds: 0, 1 or 2 (cut to 1 by the room left)
     histogram = decoder.last_report.stats.k_histogram
     assert histogram[0] > 0 and histogram[1] > 0  # rounds with and without a draft

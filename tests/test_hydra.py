@@ -10,7 +10,7 @@ import torch
 
 from conftest import hf_greedy, make_hydra_decoder, tiny_heads, tiny_hydra_heads, tiny_model
 from specserve.protocol import DETERMINISTIC, ProposeRequest, SamplingParams, SpecserveError, TreeSpec
-from test_decoder import SMALL_VOCAB, tv
+from test_decoder import SMALL_VOCAB, assert_converges
 from test_medusa import PROMPTS, SHAPES, empirical_second_and_third_tokens, exact_second_and_third_tokens
 
 # ---- the heads ----------------------------------------------------------------------------
@@ -166,9 +166,7 @@ def test_sampled_hydra_trees_follow_the_target_distribution(params):
     exact = exact_second_and_third_tokens(target, prompt, params)
     tree = TreeSpec(shape=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1)))  # siblings at both levels
     decoder = make_hydra_decoder(target, tiny_hydra_heads(target, num_heads=2, noise=0.3), shape="tree", tree=tree)
-    errors = [tv(empirical_second_and_third_tokens(decoder, prompt, params, n, seed_base=n), exact)
-              for n in (500, 8000)]
-    assert errors[1] < errors[0] and errors[1] < 0.05
+    assert_converges(lambda n: empirical_second_and_third_tokens(decoder, prompt, params, n, seed_base=n), exact)
     stats = decoder.last_report.stats
     assert stats.num_draft_tokens > 0 and sum(stats.num_accepted_tokens_per_rank[1:]) > 0
 

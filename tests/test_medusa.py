@@ -13,7 +13,7 @@ from specserve.protocol import (
     TokenTree, TreeSpec, VerifyRequest,
 )
 from specserve.sampling import generator_for
-from test_decoder import SMALL_VOCAB, tv
+from test_decoder import SMALL_VOCAB, assert_converges, tv
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26]]
 SHAPES = {
@@ -220,9 +220,7 @@ def test_sampled_medusa_trees_follow_the_target_distribution(params):
     exact = exact_second_and_third_tokens(target, prompt, params)
     tree = TreeSpec(shape=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1)))  # siblings at both levels
     decoder = make_medusa_decoder(target, tiny_heads(target, num_heads=2, noise=0.3), shape="tree", tree=tree)
-    errors = [tv(empirical_second_and_third_tokens(decoder, prompt, params, n, seed_base=n), exact)
-              for n in (500, 8000)]
-    assert errors[1] < errors[0] and errors[1] < 0.05
+    assert_converges(lambda n: empirical_second_and_third_tokens(decoder, prompt, params, n, seed_base=n), exact)
     stats = decoder.last_report.stats
     assert stats.num_draft_tokens > 0 and sum(stats.num_accepted_tokens_per_rank[1:]) > 0
 

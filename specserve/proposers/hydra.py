@@ -17,21 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from specserve.heads.hydra import HydraHeads
 from specserve.protocol import DETERMINISTIC, Proposal, ProposeRequest, TokenTree
-from specserve.trees import grow_level, growth_for
+from specserve.proposers.heads import HeadProposer
+from specserve.trees import grow_level
 
 
-class HydraProposer:
+class HydraProposer(HeadProposer):
     method = "hydra"
-
-    def __init__(self, heads: HydraHeads, *, vocab_size: int | None = None, min_confidence: float = 0.0):
-        self.heads = heads
-        self.num_heads = heads.config.num_heads
-        self.min_confidence = min_confidence  # chains: stop after a head top-1 below this
-        # lm_head rows past the tokenizer's vocabulary (padding) are never proposed.
-        limit = vocab_size or heads.config.vocab_size
-        self._padding = heads.token_map >= limit
 
     @torch.inference_mode()
     def propose_from_hidden(self, requests: list[ProposeRequest], hidden: torch.Tensor) -> list[Proposal]:
@@ -40,11 +32,8 @@ class HydraProposer:
         level for every request."""
         if not requests:
             return []
-        growths = [growth_for(min(r.k, self.num_heads), r.tree, self.min_confidence) if r.k > 0 else None
-                   for r in requests]
+        growths = self.growths(requests)
         drafts = [_Draft(r.token_ids[-1]) for r in requests]
-        width = min(max((g.max_children for g in growths if g is not None), default=1),
-                    self.heads.config.head_vocab_size)
         hidden = hidden.to(self.heads.token_map.device)
         for depth in range(self.num_heads):
             frontier = [(b, node) for b, g in enumerate(growths) if g is not None for node in g.frontier()]
@@ -53,17 +42,13 @@ class HydraProposer:
             rows = torch.tensor([b for b, _ in frontier], device=hidden.device)
             paths = torch.tensor([drafts[b].path(node) for b, node in frontier], device=hidden.device)
             logits = self.heads.head_logits(depth, hidden[rows], paths)  # [N, head_vocab]
-            probs, index = logits.masked_fill(self._padding, float("-inf")).float().softmax(-1).topk(width, dim=-1)
-            ids, probs = self.heads.token_map[index].cpu().tolist(), probs.cpu().tolist()
+            ids, probs = self.top_candidates(logits, growths)
             by_request: dict[int, dict[int, tuple[list[int], list[float]]]] = {}
             for i, (b, node) in enumerate(frontier):
                 by_request.setdefault(b, {})[node] = (ids[i], probs[i])
             for b, candidates in by_request.items():
                 drafts[b].grow(growths[b], candidates)
         return [Proposal(r.request_id, d.tree(), DETERMINISTIC) for r, d in zip(requests, drafts)]
-
-    def release(self, request_id: str) -> None:
-        """Heads keep no per-request state."""
 
 
 class _Draft:
