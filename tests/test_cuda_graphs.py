@@ -184,5 +184,6 @@ def test_the_pool_option_is_cuda_only_and_reaches_the_worker(monkeypatch):
     monkeypatch.setattr("specserve.models.load_causal_lm", lambda *a, **k: tiny_model(seed=2))
     monkeypatch.setattr("specserve.engine.torch_worker.TorchWorker.__init__",
                         lambda self, model, **kwargs: seen.update(kwargs))
-    pools.default_engine(PoolArgs(model="tiny", cuda_graphs=False).model_dump())
+    threads = torch.get_num_threads()  # given, so the test process keeps its thread count
+    pools.default_engine(PoolArgs(model="tiny", cuda_graphs=False, torch_threads=threads).model_dump())
     assert seen["cuda_graphs"] is False

@@ -76,6 +76,8 @@ def _cpus_of_this_replica() -> int:
     try:
         import ray
 
+        if not ray.is_initialized():  # get_runtime_context() would start a Ray instance
+            raise RuntimeError("not inside Ray")
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
     except Exception:  # not inside Ray
         cpus = os.cpu_count() or 1
