@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specserve.engine.torch_worker import Rows, _rotate_half
+from specserve.engine.torch_worker import Rows
 from specserve.protocol import SpecserveError
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
@@ -237,15 +237,7 @@ class StaticPasses:
         worker = self.worker
         n, d, kv_heads = x.shape[0], worker.head_dim, worker.num_kv_heads
         group = worker.num_heads // kv_heads
-        q, k, v = layer.qkv(x).split(layer.qkv.sizes, dim=-1)
-        q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
-        if layer.q_norm is not None:
-            q, k = layer.q_norm(q), layer.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        keys, values = worker.kv.slab[index, 0], worker.kv.slab[index, 1]  # [KV, slots, D]
-        keys.index_copy_(1, buffers.writes, k.transpose(0, 1))
-        values.index_copy_(1, buffers.writes, v.transpose(0, 1))
+        q, keys, values = worker.queries_into_cache(index, layer, x, cos, sin, buffers.writes)
         reads = buffers.reads.view(-1)
         keys = keys.index_select(1, reads).view(kv_heads, shape.batch, shape.context, d).transpose(0, 1)
         values = values.index_select(1, reads).view(kv_heads, shape.batch, shape.context, d).transpose(0, 1)

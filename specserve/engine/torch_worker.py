@@ -582,19 +582,25 @@ class TorchWorker:
             self._rope = (cos[0], sin[0])
         return self._rope
 
-    def _attention(self, index, layer: _Layer, x, cos, sin, writes, reads, masks, offsets) -> torch.Tensor:
-        n = x.shape[0]
-        d = self.head_dim
+    def queries_into_cache(self, index, layer: _Layer, x, cos, sin, writes):
+        """Layer `index`'s projections of the pass's rows `x`: the rotated queries [n, heads, D],
+        and the layer's whole key and value slabs [KV, slots, D] with this pass's keys and
+        values written at slots `writes`."""
+        n, d = x.shape[0], self.head_dim
         q, k, v = layer.qkv(x).split(layer.qkv.sizes, dim=-1)
         q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
         if layer.q_norm is not None:
             q, k = layer.q_norm(q), layer.k_norm(k)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        keys, values = self.kv.slab[index, 0], self.kv.slab[index, 1]
+        keys.index_copy_(1, writes, k.transpose(0, 1))
+        values.index_copy_(1, writes, v.transpose(0, 1))
+        return q, keys, values
+
+    def _attention(self, index, layer: _Layer, x, cos, sin, writes, reads, masks, offsets) -> torch.Tensor:
+        q, keys, values = self.queries_into_cache(index, layer, x, cos, sin, writes)
         with record_function("specserve::attention"):
-            keys, values = self.kv.slab[index, 0], self.kv.slab[index, 1]  # [KV, slots, D]
-            keys.index_copy_(1, writes, k.transpose(0, 1))
-            values.index_copy_(1, writes, v.transpose(0, 1))
             out = [grouped_query_attention(q[offsets[b]:offsets[b + 1]], keys.index_select(1, slots),
                                            values.index_select(1, slots), mask, layer.scale)
                    for b, (slots, mask) in enumerate(zip(reads, masks))]

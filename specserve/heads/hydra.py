@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.heads.medusa import CONFIG_FILE, ResBlock
+from specserve.heads.medusa import CONFIG_FILE, ResBlock, check_head_sizes
 from specserve.protocol import SpecserveError
 
 WEIGHTS_FILE = "hydra.safetensors"
@@ -49,11 +49,7 @@ class HydraConfig:
     method: str = "hydra"
 
     def __post_init__(self) -> None:
-        if self.num_heads < 1 or self.num_layers < 1:
-            raise SpecserveError(f"Hydra needs >= 1 head and >= 1 layer per head, got "
-                                 f"{self.num_heads} heads, {self.num_layers} layers")
-        if self.head_vocab_size is not None and not 1 <= self.head_vocab_size <= self.vocab_size:
-            raise SpecserveError(f"head_vocab_size must be in [1, {self.vocab_size}], got {self.head_vocab_size}")
+        check_head_sizes("Hydra", self)
 
 
 class HydraHead(nn.Module):

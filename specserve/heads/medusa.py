@@ -51,11 +51,16 @@ class MedusaConfig:
     method: str = "medusa"
 
     def __post_init__(self) -> None:
-        if self.num_heads < 1 or self.num_layers < 1:
-            raise SpecserveError(f"Medusa needs >= 1 head and >= 1 layer per head, got "
-                                 f"{self.num_heads} heads, {self.num_layers} layers")
-        if self.head_vocab_size is not None and not 1 <= self.head_vocab_size <= self.vocab_size:
-            raise SpecserveError(f"head_vocab_size must be in [1, {self.vocab_size}], got {self.head_vocab_size}")
+        check_head_sizes("Medusa", self)
+
+
+def check_head_sizes(method: str, config) -> None:
+    """Sizes every head config shares (Medusa, Hydra): heads, layers, head vocabulary."""
+    if config.num_heads < 1 or config.num_layers < 1:
+        raise SpecserveError(f"{method} needs >= 1 head and >= 1 layer per head, got "
+                             f"{config.num_heads} heads, {config.num_layers} layers")
+    if config.head_vocab_size is not None and not 1 <= config.head_vocab_size <= config.vocab_size:
+        raise SpecserveError(f"head_vocab_size must be in [1, {config.vocab_size}], got {config.head_vocab_size}")
 
 
 class ResBlock(nn.Module):

@@ -151,9 +151,8 @@ class Router:
         return self._info
 
     async def _propose(self, request: ProposeRequest, proposer: str) -> Proposal:
-        if proposer in LOCAL_PROPOSERS:
-            return self.ngram.propose_one(request)
-        if self.draft is None or time.monotonic() < self._draft_down_until:
+        draft_down = self.draft is None or time.monotonic() < self._draft_down_until
+        if proposer in LOCAL_PROPOSERS or draft_down:  # prompt lookup, by choice or as the fallback
             return self.ngram.propose_one(request)
         try:
             return await asyncio.wait_for(self.draft.propose.remote(request), self.spec.draft_timeout_s)
