@@ -72,6 +72,23 @@ def check_heads(args: AppArgs):
     return directory
 
 
+def check_engines(args: AppArgs) -> None:
+    """Refuse, when the app is built, an engine that is not installed in this Python (the
+    replicas run the same one) or that cannot serve its pool's role: a replica that cannot
+    build its engine would only crash-loop."""
+    from specserve.engine import require_engine
+
+    require_engine(args.target.engine, "target")
+    if args.draft is not None:
+        require_engine(args.draft.engine, "draft")
+        if args.draft.engine == "vllm":
+            raise SpecserveError("draft: engine vllm serves target pools only so far; use engine: torch for the "
+                                 "draft pool")
+    if args.target.engine == "vllm" and args.target.heads is not None:
+        raise SpecserveError("target: engine vllm does not run specserve's heads; use engine: torch for "
+                             "co-located heads")
+
+
 def _pool_options(name: str, pool: PoolArgs) -> dict:
     return {
         "name": name,
@@ -86,6 +103,7 @@ def build_app(args: dict | AppArgs) -> Application:
     from specserve.serve.router import Router
 
     config = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    check_engines(config)
     check_vocabularies(config)
     heads = check_heads(config)
     pool, name = (CoLocatedPool, "CoLocatedPool") if heads is not None else (TargetPool, "TargetPool")

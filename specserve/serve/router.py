@@ -28,6 +28,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specserve.engine import adapt_speculation, sampling_refusal
 from specserve.policy import LoadModel, SpeculationPolicy
 from specserve.protocol import (
     DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, VerifyRequest, VerifyResult,
@@ -137,8 +138,9 @@ class Router:
     # ---- pool plumbing -------------------------------------------------------------------
 
     async def _model_info(self) -> dict:
-        """Asked of the pools once: context length, EOS ids, and whether the draft pool's
-        vocabulary matches the target's (refused otherwise)."""
+        """Asked of the pools once: context length, EOS ids, the target engine's capabilities
+        (EngineInfo), and whether the draft pool's vocabulary matches the target's (refused
+        otherwise)."""
         async with self._info_lock:
             if self._info is None:
                 info = await self.target.model_info.remote()
@@ -240,13 +242,19 @@ class Router:
         if speculation.proposer in DRAFT_POOL_PROPOSERS and self.draft is None:
             raise SpecserveError(f"this deployment has no draft pool for proposer {speculation.proposer!r}: "
                                  f"use {', '.join(repr(p) for p in self._proposers())}")
+        engine = info["engine"]  # the target engine's EngineInfo: adapt to what it can verify
+        speculation = adapt_speculation(speculation, engine)
+        params = body.sampling_params(self.args.max_tokens_default)
+        refusal = sampling_refusal(engine, params)
+        if refusal is not None:
+            raise SpecserveError(refusal)
         if speculation.co_located and speculation.proposer != info.get("heads_method"):
             raise SpecserveError(f"this deployment's target has no heads for proposer {speculation.proposer!r}: "
                                  f"use {', '.join(repr(p) for p in self._proposers())}")
         if any(t < 0 or t >= self.codec.tokenizer.get_vocab_size(with_added_tokens=True) for t in prompt_ids):
             raise SpecserveError("the prompt contains token ids outside the vocabulary")
         return RequestState(
-            uuid.uuid4().hex, prompt_ids, body.sampling_params(self.args.max_tokens_default), speculation,
+            uuid.uuid4().hex, prompt_ids, params, speculation,
             frozenset(info["eos_token_ids"]), info["max_context"], prefill_without_draft=True,
         )
 
