@@ -145,12 +145,13 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the target's chat template")
     p.add_argument("--proposer", choices=list(PROPOSERS),
                    help="where drafts come from: ngram = prompt lookup, no model (default: draft with --draft, "
-                        "the heads' method (medusa or hydra) with --heads, else none)")
+                        "the heads' method (medusa, hydra or redrafter) with --heads, else none)")
     p.add_argument("--shape", choices=["chain", "tree"], help="a chain of -k tokens (default) or a token tree")
     p.add_argument("--method", choices=["draft", "tree", "none"],
                    help="older spelling: draft = --proposer draft --shape chain, tree = --proposer draft --shape tree")
-    p.add_argument("--heads", help="Medusa or Hydra heads from `specserve train-heads` (a directory; default with "
-                                   "--proposer medusa|hydra: $SPECSERVE_HOME/heads/<target>-<proposer>)")
+    p.add_argument("--heads", help="Medusa, Hydra or ReDrafter heads from `specserve train-heads` (a directory; "
+                                   "default with --proposer medusa|hydra|redrafter: "
+                                   "$SPECSERVE_HOME/heads/<target>-<proposer>)")
     p.add_argument("--acceptance", choices=["exact", "typical"],
                    help="exact (default, lossless) or typical (Medusa's typical acceptance: LOSSY)")
     p.add_argument("-k", "--k", type=int, default=4, help="draft tokens per round (default 4)")
@@ -233,18 +234,20 @@ def add_train_heads_parser(subparsers) -> None:
 
     d = TrainOptions()
     p = subparsers.add_parser(
-        "train-heads", help="train Medusa or Hydra heads on a target from offline text",
-        description="Train Medusa or Hydra heads by distillation from the target on offline text (HumanEval, MT-Bench, "
+        "train-heads", help="train Medusa, Hydra or ReDrafter heads on a target from offline text",
+        description="Train Medusa, Hydra or ReDrafter heads by distillation from the target on offline text (HumanEval, MT-Bench, "
                     "Python's standard library; the prompts the benchmarks use are held out). The target's "
                     "hidden states are cached under OUT/cache; OUT/checkpoint.pt lets --resume continue.")
     p.add_argument("--method", default="medusa",
-                   help="head method: medusa (default; heads on h_t) or hydra (heads that also read the tokens "
-                        "drafted before them)")
+                   help="head method: medusa (default; heads on h_t), hydra (heads that also read the tokens "
+                        "drafted before them) or redrafter (one recurrent drafter, beam search; --heads is its "
+                        "number of steps, the longest beam it serves)")
     p.add_argument("--target", required=True, help="registry name, local directory or Hub id")
     p.add_argument("--out", help="where the heads go (default $SPECSERVE_HOME/heads/<target>-<method>)")
     p.add_argument("--heads", type=int, default=d.num_heads, help=f"number of heads (default {d.num_heads})")
     p.add_argument("--layers", type=int, default=d.num_layers,
-                   help=f"residual blocks per head (default {d.num_layers}; hydra: the input block counts as one)")
+                   help=f"residual blocks per head (default {d.num_layers}; hydra, redrafter: the input block counts "
+                        "as one)")
     p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"peak AdamW learning rate (default {d.lr})")
     p.add_argument("--batch-size", type=int, default=d.batch_size,

@@ -38,13 +38,25 @@ def load_heads_proposer(directory: Path, worker: TorchWorker, *, method: str | N
     found = heads_method(directory)
     if method is not None and method != found:
         raise SpecserveError(f"proposer {method!r} needs {method} heads; {directory} holds {found} heads")
-    if found == "hydra":
-        from specserve.heads.hydra import load_heads as load_hydra
+    if found == "medusa":
+        return load_medusa(directory, worker, min_confidence=min_confidence)
+    load, proposer = _embedding_heads(found)
+    heads = load(directory, worker.model.lm_head.weight, worker.model.get_input_embeddings().weight)
+    return proposer(heads, vocab_size=worker.vocab_size, min_confidence=min_confidence)
+
+
+def _embedding_heads(method: str):
+    """(load_heads, proposer class) of a method whose heads also read the target's input
+    embedding (the tokens drafted so far): hydra, redrafter."""
+    if method == "hydra":
+        from specserve.heads.hydra import load_heads
         from specserve.proposers.hydra import HydraProposer
 
-        heads = load_hydra(directory, worker.model.lm_head.weight, worker.model.get_input_embeddings().weight)
-        return HydraProposer(heads, vocab_size=worker.vocab_size, min_confidence=min_confidence)
-    return load_medusa(directory, worker, min_confidence=min_confidence)
+        return load_heads, HydraProposer
+    from specserve.heads.redrafter import load_heads
+    from specserve.proposers.redrafter import ReDrafterProposer
+
+    return load_heads, ReDrafterProposer
 
 
 def load_medusa(directory: Path, worker: TorchWorker, *, min_confidence: float = 0.0):
@@ -64,7 +76,7 @@ class LoadedPair:
     tokenizer: object
     eos_token_ids: set[int]
     max_context: int
-    heads: object | None = None  # a MedusaProposer or HydraProposer co-located with the target
+    heads: object | None = None  # a head proposer (Medusa, Hydra, ReDrafter) co-located with the target
 
     def verifier(self) -> Verifier:
         return Verifier(self.target, self.heads)

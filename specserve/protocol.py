@@ -15,9 +15,9 @@ MAX_K = 64  # longest draft chain / deepest tree accepted anywhere
 MAX_TREE_NODES = 256  # largest draft tree accepted anywhere
 
 # Speculation = proposer x shape. Proposers: where draft tokens come from.
-PROPOSERS = ("none", "draft", "medusa", "hydra", "ngram")
+PROPOSERS = ("none", "draft", "medusa", "hydra", "redrafter", "ngram")
 DRAFT_POOL_PROPOSERS = ("draft",)  # need a separate draft model (a draft pool)
-HEAD_PROPOSERS = ("medusa", "hydra")  # heads on the target: co-located, proposed by the verify pass
+HEAD_PROPOSERS = ("medusa", "hydra", "redrafter")  # heads on the target: co-located, proposed by the verify pass
 LOCAL_PROPOSERS = ("ngram",)  # no model: proposed where the token ids are (router, library decoder)
 # Shapes: a chain of k tokens, or a token tree (static when TreeSpec.shape is set, else dynamic).
 SHAPES = ("chain", "tree")
@@ -247,8 +247,8 @@ class TypicalAcceptance:
 class Speculation:
     """What a request speculates with: a proposer and a shape.
 
-    - proposer: `none` (target only), `draft` (a draft model in its own pool), `medusa` or
-      `hydra` (heads on the target, co-located: the verify pass also proposes the next round),
+    - proposer: `none` (target only), `draft` (a draft model in its own pool), `medusa`, `hydra`
+      or `redrafter` (heads on the target, co-located: the verify pass also proposes the next round),
       `ngram` (prompt lookup: no model, proposed by the router itself);
     - shape: `chain` (k tokens in a row) or `tree` (`tree`: dynamic, or static when
       `tree.shape` lists paths of child ranks);

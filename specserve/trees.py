@@ -15,6 +15,8 @@ How many children a node gets depends only on probabilities known before its chi
 drawn, never on which tokens the draws pick: lossless multi-draft verification of sampled
 trees needs that (see specserve.sampling.accept_rejection_tree).
 
+`merge_beams` is the other way to a tree: ReDrafter's beams, merged on their shared prefixes.
+
 `shape_from_acceptance` turns measured per-rank acceptance into the static shape that
 spends a node budget where it pays.
 """
@@ -185,6 +187,47 @@ def grow_from_marginals(growth, candidates: Sequence[tuple[Sequence[int], Sequen
             break
         for child in added:
             depth_of[child] = depth_of[parents[child]] + 1
+    return TokenTree(tuple(tokens), tuple(parents))
+
+
+def merge_beams(beams: Sequence[Sequence[int]], budget: int | None = None) -> TokenTree:
+    """The prefix tree of `beams` (each a list of tokens under the root), best beam first: a
+    prefix several beams share is stored once, and a node's children come in the order of the
+    best beam through each, so the verifier tries siblings best first. At most `budget` nodes:
+    beams are taken best first and the first one that does not fit is cut short. Nodes are in
+    level order, like every proposer's (a proposal cut to a depth keeps its first nodes).
+
+    >>> merge_beams([[5, 6, 7], [5, 6, 8], [9, 6]])
+    TokenTree(tokens=(5, 9, 6, 6, 7, 8), parents=(-1, -1, 0, 1, 2, 2))
+    """
+    children: dict[tuple[int, ...], list[int]] = {(): []}  # path -> its children's tokens, best first
+    size = 0
+    for beam in beams:
+        beam = tuple(int(t) for t in beam)
+        for depth, token in enumerate(beam):
+            if token in children[beam[:depth]]:
+                continue
+            if budget is not None and size >= budget:
+                return _level_order(children)
+            children[beam[:depth]].append(token)
+            children[beam[: depth + 1]] = []
+            size += 1
+    return _level_order(children)
+
+
+def _level_order(children: dict[tuple[int, ...], list[int]]) -> TokenTree:
+    """The tree whose node paths are `children`'s keys, level by level."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    level: list[tuple[tuple[int, ...], int]] = [((), -1)]
+    while level:
+        below = []
+        for path, node in level:
+            for token in children[path]:
+                tokens.append(token)
+                parents.append(node)
+                below.append((path + (token,), len(tokens) - 1))
+        level = below
     return TokenTree(tuple(tokens), tuple(parents))
 
 

@@ -104,18 +104,24 @@ def tiny_heads(model, *, num_heads: int = 3, noise: float = 0.0, seed: int = 0, 
     return heads.requires_grad_(False).eval()
 
 
-def make_medusa_decoder(target, heads=None, **speculation):
-    """A decoder whose target verifies and proposes with Medusa heads (co-located)."""
+def make_co_located_decoder(target, proposer, **speculation):
+    """A decoder whose target verifies and proposes with `proposer`'s heads (co-located)."""
     from specserve.decoder import SpeculativeDecoder
     from specserve.engine.torch_worker import TorchWorker
-    from specserve.proposers.medusa import MedusaProposer
     from specserve.protocol import Speculation
     from specserve.verifier import Verifier
 
-    proposer = MedusaProposer(heads if heads is not None else tiny_heads(target))
     return SpeculativeDecoder(Verifier(TorchWorker(target), proposer),
-                              speculation=Speculation(proposer="medusa", **speculation),
+                              speculation=Speculation(proposer=proposer.method, **speculation),
                               max_context=target.config.max_position_embeddings)
+
+
+def make_medusa_decoder(target, heads=None, **speculation):
+    """A decoder whose target verifies and proposes with Medusa heads (co-located)."""
+    from specserve.proposers.medusa import MedusaProposer
+
+    return make_co_located_decoder(target, MedusaProposer(heads if heads is not None else tiny_heads(target)),
+                                   **speculation)
 
 
 def tiny_hydra_heads(model, *, num_heads: int = 3, noise: float = 0.0, seed: int = 0,
@@ -139,16 +145,39 @@ def tiny_hydra_heads(model, *, num_heads: int = 3, noise: float = 0.0, seed: int
 
 def make_hydra_decoder(target, heads=None, **speculation):
     """A decoder whose target verifies and proposes with Hydra heads (co-located)."""
-    from specserve.decoder import SpeculativeDecoder
-    from specserve.engine.torch_worker import TorchWorker
     from specserve.proposers.hydra import HydraProposer
-    from specserve.protocol import Speculation
-    from specserve.verifier import Verifier
 
-    proposer = HydraProposer(heads if heads is not None else tiny_hydra_heads(target))
-    return SpeculativeDecoder(Verifier(TorchWorker(target), proposer),
-                              speculation=Speculation(proposer="hydra", **speculation),
-                              max_context=target.config.max_position_embeddings)
+    return make_co_located_decoder(target, HydraProposer(heads if heads is not None else tiny_hydra_heads(target)),
+                                   **speculation)
+
+
+def tiny_redrafter(model, *, num_heads: int = 3, noise: float = 0.0, seed: int = 0,
+                   head_vocab_size: int | None = None):
+    """An untrained ReDrafter on `model`: W and U random from `seed`, the head Medusa's identity
+    on h plus `noise` on its weights (so the recurrent state, hence the path, matters)."""
+    import torch
+
+    from specserve.heads.redrafter import ReDrafter, ReDrafterConfig
+
+    config = ReDrafterConfig(model.config.hidden_size, model.config.vocab_size, num_heads=num_heads,
+                             head_vocab_size=head_vocab_size)
+    token_map = torch.arange(head_vocab_size) if head_vocab_size else None
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        drafter = ReDrafter(config, model.lm_head.weight, model.get_input_embeddings().weight, token_map)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.head.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=gen))
+    return drafter.requires_grad_(False).eval()
+
+
+def make_redrafter_decoder(target, drafter=None, **speculation):
+    """A decoder whose target verifies and proposes with a ReDrafter (co-located, beam search)."""
+    from specserve.proposers.redrafter import ReDrafterProposer
+
+    return make_co_located_decoder(target, ReDrafterProposer(drafter if drafter is not None else tiny_redrafter(target)),
+                                   **speculation)
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ SPECSERVE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("tree", {}),  # the decoder's default tree; a variant: ("tree", {"tree": {"budget": 16, "depth": 6}})
     ("medusa", {"shape": "tree"}),  # heads from `make heads`, co-located; a dynamic tree as deep as the heads
 ]
-HEAD_METHODS = ("medusa", "hydra")  # need heads on the target (--heads)
+HEAD_METHODS = ("medusa", "hydra", "redrafter")  # need heads on the target (--heads)
 SERVED = "served"  # service mode only: no per-request override, the deployment's own speculation
 
 OK, CANNOT_RUN, FAILED = "ok", "cannot run", "failed"

@@ -1,4 +1,4 @@
-"""Heads on the target model that propose draft tokens (Medusa, Hydra; later ReDrafter)."""
+"""Heads on the target model that propose draft tokens (Medusa, Hydra, ReDrafter)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from specserve.protocol import SpecserveError
 
-HEAD_METHODS = ("medusa", "hydra")
+HEAD_METHODS = ("medusa", "hydra", "redrafter")
 
 
 def default_heads_dir(target: str, method: str = "medusa") -> Path:

@@ -1,4 +1,4 @@
-"""Train heads (Medusa or Hydra) on a target by distillation from the target itself (Medusa-2
+"""Train heads (Medusa, Hydra or ReDrafter) on a target by distillation from the target itself (Medusa-2
 weighting).
 
 1. The target reads the training text once; its last hidden states (after the final norm, what
@@ -15,14 +15,16 @@ weighting).
 What differs between methods sits behind one small interface (`HEAD_METHODS`: build fresh
 heads; the heads' `features(hidden, path)`, `lm_heads`, `token_map` and `save`). Every head
 gets the path tokens x_{t+1} .. x_{t+K} of its position from the training sequence (teacher
-forcing); Medusa's heads ignore them, Hydra's head i reads the first i + 1.
+forcing); Medusa's heads ignore them, Hydra's head i reads the first i + 1, and ReDrafter's
+recurrent drafter reads them one per step (step i has read the first i + 1).
 
     >>> result = train_heads("smollm2-135m-instruct", tmp / "heads", quick_options())  # doctest: +SKIP
     >>> result.report["heldout_accuracy_after"]                                       # doctest: +SKIP
     [0.295, 0.167]
 
 Files in `out_dir`: the heads (`MedusaHeads.save`: config.json, medusa.safetensors, vllm/;
-`HydraHeads.save`: config.json, hydra.safetensors), train_report.json, checkpoint.pt (to
+`HydraHeads.save`: config.json, hydra.safetensors; `ReDrafter.save`: config.json,
+redrafter.safetensors), train_report.json, checkpoint.pt (to
 resume) and cache/.
 """
 
@@ -47,7 +49,6 @@ HEADS_CONFIG_FILE = "config.json"  # the heads' save writes it: heads are there
 CHECKPOINT_FILE = "checkpoint.pt"
 REPORT_FILE = "train_report.json"
 CACHE_DIR = "cache"
-PLANNED_METHODS = ("redrafter",)
 MAX_FULL_HEAD_VOCAB = 65536  # larger vocabularies get a token map of TRUNCATED_HEAD_VOCAB ids
 TRUNCATED_HEAD_VOCAB = 32768
 EVAL_BATCH = 1024  # positions per evaluation batch
@@ -61,9 +62,9 @@ class TrainOptions:
     in about 55 minutes (text hidden states ~115-185 tokens/s, the target's own continuations
     ~60 tokens/s, a step ~0.8 s); `quick_options()` is a short run for tests."""
 
-    method: str = "medusa"  # medusa | hydra
-    num_heads: int = 4
-    num_layers: int = 1  # Medusa: ResBlocks per head; Hydra: the input block + num_layers - 1 ResBlocks
+    method: str = "medusa"  # medusa | hydra | redrafter
+    num_heads: int = 4  # ReDrafter: drafting steps (the longest beam it serves)
+    num_layers: int = 1  # Medusa: ResBlocks per head; Hydra, ReDrafter: the input block + num_layers - 1 ResBlocks
     steps: int = 1500
     lr: float = 1e-3
     batch_size: int = 256  # positions per step
@@ -117,7 +118,7 @@ def quick_options(**overrides) -> TrainOptions:
 
 
 class TrainableHeads(Protocol):
-    """What the trainer needs of a method's heads (MedusaHeads, HydraHeads)."""
+    """What the trainer needs of a method's heads (MedusaHeads, HydraHeads, ReDrafter)."""
 
     config: object  # num_heads, head_vocab_size, vocab_size, target
     token_map: torch.Tensor  # [head_vocab] the ids the projection covers
@@ -151,8 +152,18 @@ def _hydra_heads(model, options: TrainOptions, token_map: torch.Tensor, name: st
     return HydraHeads(config, model.lm_head.weight.detach(), model.get_input_embeddings().weight, token_map)
 
 
+def _redrafter(model, options: TrainOptions, token_map: torch.Tensor, name: str) -> TrainableHeads:
+    from specserve.heads.redrafter import ReDrafter, ReDrafterConfig
+
+    vocab_size, hidden_size = model.lm_head.weight.shape
+    config = ReDrafterConfig(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=options.num_heads,
+                             num_layers=options.num_layers, head_vocab_size=len(token_map), target=name)
+    return ReDrafter(config, model.lm_head.weight.detach(), model.get_input_embeddings().weight, token_map)
+
+
 # method -> fresh float32 heads on the CPU: (target model, options, token_map, target name) -> heads
-HEAD_METHODS: dict[str, Callable[..., TrainableHeads]] = {"medusa": _medusa_heads, "hydra": _hydra_heads}
+HEAD_METHODS: dict[str, Callable[..., TrainableHeads]] = {"medusa": _medusa_heads, "hydra": _hydra_heads,
+                                                          "redrafter": _redrafter}
 
 
 @dataclass
@@ -165,11 +176,8 @@ class TrainResult:
 
 def validate_options(options: TrainOptions) -> None:
     """Refuse bad options before anything is loaded."""
-    built = ", ".join(HEAD_METHODS)
-    if options.method in PLANNED_METHODS:
-        raise SpecserveError(f"head method {options.method!r} is not built yet; built: {built}")
     if options.method not in HEAD_METHODS:
-        raise SpecserveError(f"unknown head method {options.method!r}; built: {built}")
+        raise SpecserveError(f"unknown head method {options.method!r}; built: {', '.join(HEAD_METHODS)}")
     if options.own_lm_head and options.method != "medusa":
         raise SpecserveError(f"{options.method} heads share the target's frozen lm_head; own_lm_head "
                              "(--own-lm-head) is for medusa")
@@ -484,7 +492,7 @@ def train_heads(target, out_dir: str | Path | None = None, options: TrainOptions
                  sequences: Sequence[Sequence[int]] | None = None,
                  eval_sequences: Sequence[Sequence[int]] | None = None,
                  stop_at: int | None = None, log: Log = print) -> TrainResult:
-    """Train `options.method` heads (medusa, hydra) for `target` (a registry name, directory,
+    """Train `options.method` heads (medusa, hydra, redrafter) for `target` (a registry name, directory,
     Hub id, or a causal LM object) into `out_dir` (default: `default_heads_dir(target, method)`).
 
     `sequences` / `eval_sequences`: explicit training and held-out token ids (both, or neither:

@@ -4,7 +4,7 @@
                                              Router (HTTP ingress, owns requests, drives rounds)
     TargetPool (large model, own replicas)  /
 
-With `target.heads` the target pool is a CoLocatedPool (target + Medusa or Hydra heads in one replica);
+With `target.heads` the target pool is a CoLocatedPool (target + Medusa, Hydra or ReDrafter heads in one replica);
 a draft pool is then optional.
 """
 

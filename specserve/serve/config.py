@@ -46,7 +46,7 @@ class PoolArgs(_DeploymentArgs):
         "(target pools; tensor parallel from engine_kwargs; chains; exact for greedy, and for sampling with "
         "1 <= top_k <= engine_kwargs.score_logprobs, default 20); must be installed where Ray runs (make vllm-env)")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="engine-specific options")
-    heads: str | None = Field(None, description="target only: Medusa or Hydra heads trained by `specserve "
+    heads: str | None = Field(None, description="target only: Medusa, Hydra or ReDrafter heads trained by `specserve "
                               "train-heads` (a directory, or 'default' for $SPECSERVE_HOME/heads/<model>-<method>, "
                               "the method being speculation.proposer's, else medusa); the target pool then becomes "
                               "a co-located pool that verifies and proposes in one pass")
@@ -150,7 +150,7 @@ class SpeculationArgs(_Strict):
     acceptance (`"speculation"` in the request body)."""
 
     proposer: Literal[PROPOSERS] = Field("draft", description="none | draft (a draft pool) | medusa | hydra "  # type: ignore[valid-type]
-                                         "(heads on the target, co-located) | ngram (prompt lookup, no model)")
+                                         "| redrafter (heads on the target, co-located) | ngram (prompt lookup, no model)")
     shape: Literal[SHAPES] = Field("chain", description="chain (k tokens) | tree (dynamic, or static "  # type: ignore[valid-type]
                                    "when tree.shape is set)")
     k: int = Field(4, ge=0, le=MAX_K, description="chain length")
@@ -215,7 +215,7 @@ class AppArgs(_Strict):
         proposer = self.speculation.proposer
         if proposer in DRAFT_POOL_PROPOSERS and self.draft is None:
             raise ValueError(f"speculation.proposer {proposer!r} needs a draft pool: add `draft:`, "
-                             "or use proposer 'none' (or 'medusa' / 'hydra' with `target.heads`)")
+                             "or use proposer 'none' (or 'medusa' / 'hydra' / 'redrafter' with `target.heads`)")
         if proposer in HEAD_PROPOSERS and self.target.heads is None:
             raise ValueError(f"speculation.proposer {proposer!r} needs heads on the target: set `target.heads` "
                              "to a directory written by `specserve train-heads` (or 'default')")

@@ -1,0 +1,182 @@
+"""ReDrafter (Cheng et al. 2024, apple/ml-recurrent-drafter): one recurrent drafter on the target.
+
+Medusa and Hydra keep one head per depth. ReDrafter keeps one drafter whose parameters are
+shared by every step: a recurrent state carries what was drafted so far,
+
+    s_0 = 0
+    s_j = SiLU(W·e(x_{t+j}) + U·s_{j-1})                        (j = 1, 2, ...)
+    step j:  [h_t ; s_j]  ->  hidden  ->  lm_head  ->  token t + j + 1
+
+where h_t is the target's last hidden state (the row that produced x_{t+1}, the round's root)
+and e() the target's input embedding. Step 0 reads the root x_{t+1} and guesses x_{t+2}, like
+Medusa's and Hydra's head 0; step i has read the path x_{t+1} .. x_{t+i+1}, like Hydra's head i.
+s_0 is zero (not learned): the first step's state is then a function of the root alone.
+
+[h ; s_j] goes through Hydra's input block (`skip(x) + SiLU(linear(x))`, 2 x hidden folded back
+to hidden; `skip` starts as "take h", `linear` at zero) and `num_layers - 1` Medusa ResBlocks to
+the target's own lm_head, frozen and shared (its `token_map` rows, as for Medusa and Hydra): the
+drafter trains hidden^2-sized matrices only. An untrained drafter therefore proposes what an
+untrained Medusa head 0 would at every step. W and U start random (PyTorch's default init): with
+them at zero the state would stay zero and get no gradient.
+
+`num_heads` in the config is the number of steps the drafter is trained to take (the beam length
+it serves at most), so the trainer, the CLI (`--heads`) and the proposers share one meaning.
+
+Files: `config.json` (`method: redrafter`) + `redrafter.safetensors` (W, U, the head and the
+token_map; the embedding table and lm_head are the target's, never saved).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.heads.hydra import HydraHead
+from specserve.heads.medusa import CONFIG_FILE, check_head_sizes
+from specserve.protocol import SpecserveError
+
+WEIGHTS_FILE = "redrafter.safetensors"
+
+
+@dataclass
+class ReDrafterConfig:
+    hidden_size: int
+    vocab_size: int  # the target's full vocabulary (lm_head and embedding rows)
+    num_heads: int = 4  # drafting steps trained (the longest beam served)
+    num_layers: int = 1  # the input block, then num_layers - 1 ResBlocks
+    head_vocab_size: int | None = None  # size of token_map; None: the whole vocabulary
+    target: str | None = None  # the model the drafter was trained on (informational)
+    method: str = "redrafter"
+
+    def __post_init__(self) -> None:
+        check_head_sizes("ReDrafter", self)
+
+
+class ReDrafter(nn.Module):
+    """The recurrent drafter over the target's last hidden state.
+
+    `lm_head_weight` [vocab, hidden]: the target's lm_head (its `token_map` rows become the
+    frozen projection); `embedding_weight` [vocab, hidden]: the target's input embedding table,
+    kept by reference (never copied, moved or saved: it is the target's).
+    """
+
+    lm_heads = None  # the projection is always the target's shared lm_head (the trainer asks)
+
+    def __init__(self, config: ReDrafterConfig, lm_head_weight: torch.Tensor, embedding_weight: torch.Tensor,
+                 token_map: torch.Tensor | None = None):
+        super().__init__()
+        expected = (config.vocab_size, config.hidden_size)
+        for name, weight in (("lm_head", lm_head_weight), ("input embedding", embedding_weight)):
+            if tuple(weight.shape) != expected:
+                raise SpecserveError(f"the target's {name} is {tuple(weight.shape)}; this ReDrafter needs "
+                                     f"{expected}: was it trained for another model?")
+        token_map = (torch.arange(config.vocab_size) if token_map is None else token_map).long()
+        if config.head_vocab_size is None:
+            config.head_vocab_size = len(token_map)
+        if len(token_map) != config.head_vocab_size:
+            raise SpecserveError(f"token_map has {len(token_map)} ids, the config says {config.head_vocab_size}")
+        self.config = config
+        size = config.hidden_size
+        self.rnn_w = nn.Linear(size, size, bias=True)  # W·e(x) (+ the cell's bias)
+        self.rnn_u = nn.Linear(size, size, bias=False)  # U·s
+        self.head = HydraHead(size, 0, config.num_layers)  # [h ; s] -> hidden
+        self.register_buffer("token_map", token_map, persistent=False)
+        self.register_buffer("shared_lm_head", lm_head_weight.detach()[token_map.to(lm_head_weight.device)].clone()
+                             .to(torch.float32), persistent=False)
+        self.embedding = embedding_weight.detach()  # a plain attribute: `.to()` leaves the target's table alone
+
+    def projection(self, head: int = 0) -> torch.Tensor:
+        """[head_vocab, hidden]: the shared vocabulary projection."""
+        return self.shared_lm_head
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> their input embeddings [..., hidden], RMS-normalised (so they enter at the
+        scale of the normed hidden state), in the drafter's dtype and on its device."""
+        weight = self.rnn_w.weight
+        e = F.embedding(ids.to(self.embedding.device), self.embedding).to(device=weight.device, dtype=torch.float32)
+        return (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)).to(weight.dtype)
+
+    def initial_state(self, rows: int) -> torch.Tensor:
+        """s_0 for `rows` drafts: zeros [rows, hidden]."""
+        weight = self.rnn_w.weight
+        return torch.zeros(rows, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
+
+    def advance(self, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """s_j = SiLU(W·e(x) + U·s_{j-1}): state [N, H] after reading tokens [N]."""
+        return F.silu(self.rnn_w(self.embed(tokens)) + self.rnn_u(state))
+
+    def step_features(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """[h ; s] -> [N, H], before the projection."""
+        return self.head(torch.cat([hidden.to(state.dtype), state], dim=-1))
+
+    def step_logits(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """[N, head_vocab] logits over `token_map`'s ids of the token after the state's path."""
+        out = self.step_features(hidden, state)
+        return out @ self.projection().to(out.dtype).T
+
+    def features(self, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """Every step at once, teacher-forced: hidden [B, H] (h_t), path [B, >= K] (x_{t+1} ..
+        x_{t+K} from the sequence). Returns [K, B, H]: step i read path[:, :i + 1]."""
+        hidden = hidden.to(self.rnn_w.weight.dtype)
+        state = self.initial_state(len(hidden))
+        out = []
+        for i in range(self.config.num_heads):
+            state = self.advance(state, path[:, i])
+            out.append(self.step_features(hidden, state))
+        return torch.stack(out)
+
+    def forward(self, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """[K, B, head_vocab] logits, teacher-forced (see `features`)."""
+        out = self.features(hidden, path)
+        return out @ self.projection().to(out.dtype).T
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # ---- files ---------------------------------------------------------------------------
+
+    def state_for_saving(self) -> dict[str, torch.Tensor]:
+        state = {name: value.detach() for name, value in self.state_dict().items()}
+        state["token_map"] = self.token_map
+        return {k: v.contiguous().cpu() for k, v in state.items()}
+
+    def save(self, directory: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(self.state_for_saving(), str(directory / WEIGHTS_FILE))
+        (directory / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=1) + "\n")
+        return directory
+
+
+def read_config(directory: str | Path) -> ReDrafterConfig:
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise SpecserveError(f"no ReDrafter at {directory} (missing {CONFIG_FILE})")
+    data = json.loads(path.read_text())
+    if data.get("method", "medusa") != "redrafter":
+        raise SpecserveError(f"{directory} holds {data.get('method', 'medusa')!r} heads, not a ReDrafter")
+    return ReDrafterConfig(**{k: v for k, v in data.items() if k in ReDrafterConfig.__dataclass_fields__})
+
+
+def load_heads(directory: str | Path, lm_head_weight: torch.Tensor, embedding_weight: torch.Tensor, *,
+               dtype=None, device=None) -> ReDrafter:
+    """A drafter saved by `ReDrafter.save`, on the target whose lm_head and input embedding
+    weights are given, in the lm_head's dtype and on its device unless told otherwise."""
+    from safetensors.torch import load_file
+
+    config = read_config(directory)
+    state = load_file(str(Path(directory) / WEIGHTS_FILE))
+    drafter = ReDrafter(config, lm_head_weight, embedding_weight, state.pop("token_map"))
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise SpecserveError(f"ReDrafter weights at {directory} do not match their config "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    drafter.requires_grad_(False).eval()
+    return drafter.to(dtype=dtype or lm_head_weight.dtype, device=device or lm_head_weight.device)
