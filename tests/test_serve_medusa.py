@@ -1,7 +1,9 @@
 """Integration: Medusa heads in a co-located pool on the session's Ray cluster, SmolLM2-135M
 (fp32) with heads trained in the session, called over HTTP with the official `openai` client.
 
-Two CoLocatedPool replicas (so killing one leaves another) and a router; no draft pool.
+Two CoLocatedPool replicas (so killing one leaves another) and a router; no draft pool. Hydra
+and ReDrafter (heads that read their path) each get an app of one replica with untrained heads:
+exactness over HTTP, one pass per round, and a 400 for a request asking for other heads.
 """
 
 import os
@@ -165,3 +167,71 @@ def test_bad_speculation_gets_a_400(medusa_app, base, model, speculation, fragme
                    json={"model": model, "prompt": "x", "max_tokens": 4, "speculation": speculation})
     assert r.status_code == 400, r.text
     assert fragment in r.json()["error"]["message"]
+
+
+# ---- heads that read their path (Hydra, ReDrafter): one co-located replica each -------------
+
+
+@pytest.fixture(scope="session", params=["hydra", "redrafter"])
+def path_heads_app(request, cluster, reference, tmp_path_factory):
+    """An app serving SmolLM2 with untrained `request.param` heads built here (greedy output is
+    the target's whatever the heads propose): (method, its pool's handle, its base URL)."""
+    from ray import serve
+
+    from conftest import tiny_hydra_heads, tiny_redrafter
+    from specserve.serve import build_app
+
+    method = request.param
+    heads = tmp_path_factory.mktemp(f"smol-{method}")
+    (tiny_hydra_heads if method == "hydra" else tiny_redrafter)(reference[1], num_heads=3).save(heads)
+    pool = {"dtype": "float32", "torch_threads": 1, "ray_actor_options": {"num_cpus": 0.5},
+            "health_check_period_s": 60, "health_check_timeout_s": 30}
+    serve.run(build_app({
+        "model_name": f"smol-{method}",
+        "target": {"model": "smollm2-135m-instruct", "heads": str(heads), "num_replicas": 1, **pool},
+        "speculation": {"proposer": method, "shape": "tree", "tree": TREE, "policy": "fixed"},
+        "router": {"max_ongoing_requests": 8, "max_queued_requests": 8},
+    }), name=method, route_prefix=f"/{method}")
+    return method, serve.get_deployment_handle("CoLocatedPool", method), f"{BASE}/{method}"
+
+
+def test_path_heads_completions_and_chat_equal_the_target_alone(path_heads_app, reference):
+    from openai import OpenAI
+
+    method, _, base = path_heads_app
+    tokenizer, _, greedy_text, chat_ids = reference
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    prompt = PROMPTS[0]
+    expected = greedy_text(tokenizer.encode(prompt), 32)
+    for speculation in ({}, {"shape": "chain", "k": 3}, {"tree": {"shape": [[0], [1], [0, 0], [1, 0]]}}):
+        r = client.completions.create(model=f"smol-{method}", prompt=prompt, max_tokens=32, temperature=0,
+                                      extra_body={"speculation": speculation})
+        assert r.choices[0].text == expected, speculation
+        spec = r.usage.model_extra["speculation"]
+        assert spec["proposer"] == method and spec["lossy"] is False and spec["num_draft_tokens"] > 0
+    stream = client.completions.create(model=f"smol-{method}", prompt=prompt, max_tokens=32, temperature=0,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream) == expected
+    question = "Write a Python function that reverses a string."
+    r = client.chat.completions.create(model=f"smol-{method}", max_tokens=24, temperature=0,
+                                       messages=[{"role": "user", "content": question}])
+    assert r.choices[0].message.content == greedy_text(chat_ids(question), 24)
+
+
+def test_a_path_heads_round_is_one_forward_pass(path_heads_app):
+    method, handle, base = path_heads_app
+    assert wait_for(lambda: sum(s["requests"] for s in pool_stats(handle).values()) == 0)
+    before = sum(s["forward_passes"] for s in pool_stats(handle).values())
+    r = httpx.post(f"{base}/v1/completions", timeout=300, json={
+        "model": f"smol-{method}", "prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0})
+    spec = r.json()["usage"]["speculation"]
+    assert sum(s["forward_passes"] for s in pool_stats(handle).values()) - before == spec["target_steps"]
+
+
+def test_asking_path_heads_for_another_method_gets_a_400(path_heads_app):
+    method, _, base = path_heads_app
+    other = "redrafter" if method == "hydra" else "hydra"
+    r = httpx.post(f"{base}/v1/completions", timeout=60, json={
+        "model": f"smol-{method}", "prompt": "x", "max_tokens": 4, "speculation": {"proposer": other}})
+    assert r.status_code == 400, r.text
+    assert method in r.json()["error"]["message"]
