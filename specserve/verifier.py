@@ -28,6 +28,9 @@ class Verifier:
             raise SpecserveError("this target pool has no heads, so it cannot propose the next round")
         rows = self.worker.run([ForwardItem(r.request_id, r.token_ids, r.draft) for r in requests])
         results = [self._accept(r, out.logits) for r, out in zip(requests, rows)]
+        if self.heads is not None and self.heads.context_window:
+            for r, out, result in zip(requests, rows, results):
+                self.heads.observe(r.request_id, len(r.token_ids) - 1, out.hidden[_committed_rows(r.draft, result)])
         proposing = [i for i, r in enumerate(requests) if r.propose_next is not None]
         if proposing:
             hidden = torch.stack([rows[i].hidden[_last_row(requests[i].draft, results[i])] for i in proposing])
@@ -54,8 +57,16 @@ class Verifier:
                 out = accept_rejection_tree(draft, q, p, generator)
         return VerifyResult(request.request_id, len(out) - 1, out)
 
-    def release(self, request_id: str) -> None:
-        self.worker.release(request_id)
+    def release(self, request_id: str) -> bool:
+        if self.heads is not None:
+            self.heads.release(request_id)
+        return self.worker.release(request_id)
+
+
+def _committed_rows(draft: TokenTree, result: VerifyResult) -> list[int]:
+    """The rows of the tokens this round committed that the pass computed: the root's (row 0),
+    then each accepted node's (row node + 1); the round's last token is next round's root."""
+    return [0] + [n + 1 for n in draft.path_of(result.tokens[: result.num_accepted])]
 
 
 def _last_row(draft: TokenTree, result: VerifyResult) -> int:

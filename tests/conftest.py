@@ -125,20 +125,20 @@ def make_medusa_decoder(target, heads=None, **speculation):
 
 
 def tiny_hydra_heads(model, *, num_heads: int = 3, noise: float = 0.0, seed: int = 0,
-                     head_vocab_size: int | None = None):
+                     head_vocab_size: int | None = None, prefix_window: int = 0):
     """Untrained Hydra heads on `model` (Medusa's identity on h, plus `noise` on every weight,
-    so the path's embeddings matter)."""
+    so the path's embeddings, and with `prefix_window` the past hidden states, matter)."""
     import torch
 
     from specserve.heads.hydra import HydraConfig, HydraHeads
 
     config = HydraConfig(model.config.hidden_size, model.config.vocab_size, num_heads=num_heads,
-                         head_vocab_size=head_vocab_size)
+                         head_vocab_size=head_vocab_size, prefix_window=prefix_window, prefix_heads=2)
     token_map = torch.arange(head_vocab_size) if head_vocab_size else None
     heads = HydraHeads(config, model.lm_head.weight, model.get_input_embeddings().weight, token_map)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in heads.heads.parameters():
+        for p in heads.parameters():
             p.add_(noise * torch.randn(p.shape, generator=gen))
     return heads.requires_grad_(False).eval()
 

@@ -171,6 +171,66 @@ def test_sampled_hydra_trees_follow_the_target_distribution(params):
     assert stats.num_draft_tokens > 0 and sum(stats.num_accepted_tokens_per_rank[1:]) > 0
 
 
+# ---- Hydra++ prefix attention ------------------------------------------------------------
+
+
+def test_an_untrained_prefix_layer_changes_nothing():
+    model = tiny_model("qwen2", seed=1)
+    plain, prefixed = tiny_hydra_heads(model), tiny_hydra_heads(model, prefix_window=4)
+    hidden, path = torch.randn(3, model.config.hidden_size), torch.randint(0, model.config.vocab_size, (3, 3))
+    context = (torch.randn(3, 4, model.config.hidden_size), torch.tensor([[False, True, True, True]] * 3))
+    torch.testing.assert_close(prefixed(hidden, path, context), plain(hidden, path))
+    with pytest.raises(SpecserveError, match="attend over the prefix"):
+        prefixed(hidden, path)
+
+
+def test_the_prefix_layer_reads_only_the_valid_past_states():
+    model = tiny_model("qwen2", seed=1)
+    heads = tiny_hydra_heads(model, prefix_window=4, noise=0.2)
+    hidden, path = torch.randn(2, model.config.hidden_size), torch.randint(0, model.config.vocab_size, (2, 3))
+    states = torch.randn(2, 4, model.config.hidden_size)
+    valid = torch.tensor([[False, False, True, True]] * 2)
+    other = states.clone()
+    other[:, :2] = torch.randn(2, 2, model.config.hidden_size)  # masked slots: free to differ
+    torch.testing.assert_close(heads(hidden, path, (states, valid)), heads(hidden, path, (other, valid)))
+    other[:, 2] += 1.0  # a valid one: not
+    assert not torch.allclose(heads(hidden, path, (states, valid)), heads(hidden, path, (other, valid)))
+
+
+def test_hidden_contexts_keep_the_last_window_and_survive_a_replayed_round():
+    from specserve.proposers.heads import HiddenContexts
+
+    contexts = HiddenContexts(window=4)
+    rows = torch.arange(10.0)[:, None]  # the hidden state of token p is [p]
+    contexts.observe("a", 2, rows[2:3])  # the prompt's last token
+    contexts.observe("a", 3, rows[3:6])  # a round that committed tokens 3, 4, 5
+    states, valid = contexts.batch(["a"])
+    assert states[0, :, 0].tolist() == [2, 3, 4, 5] and valid.all()
+    contexts.observe("a", 4, rows[4:5] + 100)  # the same request verified again from token 4
+    states, valid = contexts.batch(["a"])
+    assert states[0, valid[0], 0].tolist() == [2, 3, 104]
+    contexts.observe("b", 7, rows[7:8])
+    states, valid = contexts.batch(["b", "a"])
+    assert valid.tolist() == [[False, False, False, True], [False, True, True, True]]
+    contexts.observe("a", 9, rows[9:10])  # a gap (the request came back from another replica)
+    assert contexts.batch(["a"])[1].sum() == 1
+    contexts.release("a")
+    contexts.release("b")
+    assert len(contexts) == 0
+
+
+@pytest.mark.parametrize("shape", ["chain", "dynamic"])
+def test_greedy_hydra_with_prefix_attention_equals_target_alone(shape):
+    target = tiny_model("qwen2", seed=11)
+    heads = tiny_hydra_heads(target, noise=0.02, prefix_window=6)
+    decoder = make_hydra_decoder(target, heads, **SHAPES[shape])
+    outs = decoder.generate(PROMPTS, SamplingParams(max_tokens=24))
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(target, prompt, 24)
+    assert decoder.last_report.stats.num_accepted_tokens > 0
+    assert len(decoder.verifier.heads.contexts) == 0  # finished requests leave no window behind
+
+
 # ---- files and wiring ---------------------------------------------------------------------
 
 

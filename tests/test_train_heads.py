@@ -173,6 +173,25 @@ def test_hydra_files_load_back_into_the_same_heads(target, tmp_path):
         load_heads(out, target.lm_head.weight)
 
 
+def test_hydra_with_prefix_attention_learns_resumes_and_loads_back(target, tmp_path):
+    from specserve.heads.hydra import load_heads as load_hydra
+
+    options = tiny_options(method="hydra", prefix_window=4)
+    whole = train(target, tmp_path / "whole", options)
+    first = train(target, tmp_path / "split", options, stop_at=4)
+    rest = train(target, tmp_path / "split", options, resume=True)
+    for name, value in head_weights(whole).items():
+        torch.testing.assert_close(head_weights(rest)[name], value, rtol=0, atol=1e-6)
+    assert first.step == 4 and json.loads((tmp_path / "whole" / "config.json").read_text())["prefix_window"] == 4
+    loaded = load_hydra(tmp_path / "whole", target.lm_head.weight, target.get_input_embeddings().weight)
+    hidden, path = torch.randn(5, target.config.hidden_size), torch.randint(0, VOCAB, (5, 3))
+    context = (torch.randn(5, 4, target.config.hidden_size), torch.ones(5, 4, dtype=torch.bool))
+    torch.testing.assert_close(loaded(hidden, path, context), whole.heads.eval()(hidden, path, context),
+                               rtol=1e-5, atol=1e-4)
+    learned = train(target, tmp_path / "learned", tiny_options(method="hydra", prefix_window=4, steps=100)).report
+    assert learned["heldout_accuracy_after"][0] > learned["heldout_accuracy_before"][0] + 0.25, learned
+
+
 # --------------------------------------------------------------------------- redrafter
 
 
@@ -260,6 +279,8 @@ def test_full_vocabulary_writes_no_token_map(target, tmp_path):
     ({"method": "eagle"}, "unknown head method 'eagle'; built: medusa, hydra, redrafter"),
     ({"method": "hydra", "own_lm_head": True}, "hydra heads share the target's frozen lm_head"),
     ({"method": "redrafter", "own_lm_head": True}, "redrafter heads share the target's frozen lm_head"),
+    ({"prefix_window": 8}, "prefix attention .* is a Hydra\\+\\+ option"),
+    ({"method": "hydra", "prefix_window": -1}, "prefix_window must be >= 0"),
     ({"steps": 0}, "steps must be >= 1"),
     ({"num_heads": 0}, "num_heads must be >= 1"),
     ({"num_layers": 0}, "num_layers must be >= 1"),

@@ -18,21 +18,33 @@ size, `skip(x) + SiLU(linear(x))` (Hydra's ResBlock with a residual projection),
 the target's own input embedding table (frozen, not saved with the heads), RMS-normalised so
 they enter at the scale of the normed hidden state.
 
+Hydra++'s prefix attention (`prefix_window` > 0, off by default): before the heads, one
+attention layer lets h_t look back over the target's hidden states of the last `prefix_window`
+committed tokens (h_t's own included), h'_t = h_t + o(attention(h_t; h_{t-W+1} .. h_t)), and
+every head reads h'_t instead of h_t. Hydra++ attends over the whole prefix with an extra
+decoder layer; a window keeps the per-request state small and fixed. Positions enter as a
+learned bias per head and offset. `o` starts at zero, so an untrained prefix layer changes
+nothing. The window holds what the serving pool has seen: at the start of a generation only
+the prompt's last token, then every committed token (training draws shorter windows too, so the
+layer copes with both).
+
+Hydra++'s teacher distillation is the trainer's loss for every method (`specserve.heads.train`).
+
 Files: `config.json` (`method: hydra`) + `hydra.safetensors` (the heads' parameters and the
 token_map). vLLM has no Hydra model, so there is no vllm/ layout.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.heads.medusa import CONFIG_FILE, ResBlock, check_head_sizes
+from specserve.heads import files
+from specserve.heads.medusa import ResBlock, check_head_sizes
 from specserve.protocol import SpecserveError
 
 WEIGHTS_FILE = "hydra.safetensors"
@@ -46,11 +58,43 @@ class HydraConfig:
     num_layers: int = 1  # the input block, then num_layers - 1 ResBlocks
     head_vocab_size: int | None = None  # size of token_map; None: the whole vocabulary
     target: str | None = None  # the model the heads were trained on (informational)
+    prefix_window: int = 0  # Hydra++ prefix attention over the last N hidden states; 0: off
+    prefix_heads: int = 4  # attention heads of the prefix layer
     method: str = "hydra"
 
     def __post_init__(self) -> None:
         check_head_sizes("Hydra", self)
+        if self.prefix_window < 0:
+            raise SpecserveError(f"prefix_window must be >= 0 (0: no prefix attention), got {self.prefix_window}")
+        if self.prefix_window and (self.prefix_heads < 1 or self.hidden_size % self.prefix_heads):
+            raise SpecserveError(f"prefix_heads ({self.prefix_heads}) must divide hidden_size ({self.hidden_size})")
 
+
+class PrefixAttention(nn.Module):
+    """One attention layer from h_t over the last `window` hidden states (Hydra++'s prefix
+    attention, windowed): returns h_t + o(attention). An untrained layer is the identity."""
+
+    def __init__(self, hidden_size: int, window: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.q = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.kv = nn.Linear(hidden_size, 2 * hidden_size, bias=False)
+        self.o = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(num_heads, window))  # per head and offset
+        with torch.no_grad():
+            self.o.weight.zero_()
+
+    def forward(self, hidden: torch.Tensor, states: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] (h_t); states [B, W, H], oldest first, the last one h_t itself; valid
+        [B, W] bool (False: no state there, e.g. before the sequence began). Returns [B, H]."""
+        batch, window, width = states.shape
+        heads, size = self.num_heads, width // self.num_heads
+        q = self.q(hidden).view(batch, heads, 1, size)
+        k, v = self.kv(states).view(batch, window, 2, heads, size).permute(2, 0, 3, 1, 4)
+        bias = self.position_bias[:, -window:].to(q.dtype)[None, :, None, :]  # [1, heads, 1, W]
+        mask = bias.masked_fill(~valid[:, None, None, :], float("-inf"))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, heads, 1, size]
+        return hidden + self.o(out.reshape(batch, width))
 
 class HydraHead(nn.Module):
     """Head `index`: [h ; e_1 .. e_{index+1}] ((index + 2) * hidden wide) -> hidden."""
@@ -98,10 +142,28 @@ class HydraHeads(nn.Module):
         self.config = config
         self.heads = nn.ModuleList(HydraHead(config.hidden_size, i, config.num_layers)
                                    for i in range(config.num_heads))
+        self.prefix = (PrefixAttention(config.hidden_size, config.prefix_window, config.prefix_heads)
+                       if config.prefix_window else None)
         self.register_buffer("token_map", token_map, persistent=False)
         self.register_buffer("shared_lm_head", lm_head_weight.detach()[token_map.to(lm_head_weight.device)].clone()
                              .to(torch.float32), persistent=False)
         self.embedding = embedding_weight.detach()  # a plain attribute: `.to()` leaves the target's table alone
+
+    @property
+    def context_window(self) -> int:
+        """How many past hidden states the heads read (0: h_t alone)."""
+        return self.config.prefix_window
+
+    def base(self, hidden: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """What the heads read for h_t: h_t itself, or with prefix attention h'_t over
+        `context` = (states [B, W, H], valid [B, W]) (see `PrefixAttention`)."""
+        hidden = hidden.to(self.heads[0].linear.weight.dtype)
+        if self.prefix is None:
+            return hidden
+        if context is None:
+            raise SpecserveError("these Hydra heads attend over the prefix: pass the last hidden states")
+        states, valid = context
+        return self.prefix(hidden, states.to(hidden.dtype), valid)
 
     def projection(self, head: int = 0) -> torch.Tensor:
         """[head_vocab, hidden]: the shared vocabulary projection."""
@@ -114,74 +176,49 @@ class HydraHeads(nn.Module):
         e = F.embedding(ids.to(self.embedding.device), self.embedding).to(device=weight.device, dtype=torch.float32)
         return (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)).to(weight.dtype)
 
-    def head_features(self, index: int, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
-        """Head `index` before the projection. hidden [N, H]; path [N, index + 1], the root
-        token then the drafted tokens above the nodes being predicted. Returns [N, H]."""
+    def head_features(self, index: int, base: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """Head `index` before the projection. base [N, H] (from `base`); path [N, index + 1],
+        the root token then the drafted tokens above the nodes being predicted. Returns [N, H]."""
         if path.shape[-1] != index + 1:
             raise SpecserveError(f"Hydra head {index} reads a path of {index + 1} tokens, got {path.shape[-1]}")
-        x = torch.cat([hidden.to(self.heads[0].linear.weight.dtype), self.embed(path).flatten(-2)], dim=-1)
+        x = torch.cat([base.to(self.heads[0].linear.weight.dtype), self.embed(path).flatten(-2)], dim=-1)
         return self.heads[index](x)
 
-    def head_logits(self, index: int, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, index: int, base: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
         """[N, head_vocab] logits over `token_map`'s ids (see `head_features`)."""
-        out = self.head_features(index, hidden, path)
+        out = self.head_features(index, base, path)
         return out @ self.projection().to(out.dtype).T
 
-    def features(self, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    def features(self, hidden: torch.Tensor, path: torch.Tensor,
+                 context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Every head at once, teacher-forced: hidden [B, H] (h_t), path [B, >= K] (x_{t+1} ..
-        x_{t+K} from the sequence). Returns [K, B, H]: head i read path[:, :i + 1]."""
-        x = torch.cat([hidden.to(self.heads[0].linear.weight.dtype),
+        x_{t+K} from the sequence), context: see `base`. Returns [K, B, H]: head i read
+        path[:, :i + 1]."""
+        x = torch.cat([self.base(hidden, context),
                        self.embed(path[:, : self.config.num_heads]).flatten(-2)], dim=-1)
         width = self.config.hidden_size
         return torch.stack([head(x[:, : width * (i + 2)]) for i, head in enumerate(self.heads)])
 
-    def forward(self, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, path: torch.Tensor,
+                context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """[K, B, head_vocab] logits, teacher-forced (see `features`)."""
-        out = self.features(hidden, path)
+        out = self.features(hidden, path, context)
         return out @ self.projection().to(out.dtype).T
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
-    # ---- files ---------------------------------------------------------------------------
-
-    def state_for_saving(self) -> dict[str, torch.Tensor]:
-        state = {name: value.detach() for name, value in self.state_dict().items()}
-        state["token_map"] = self.token_map
-        return {k: v.contiguous().cpu() for k, v in state.items()}
-
     def save(self, directory: str | Path) -> Path:
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file(self.state_for_saving(), str(directory / WEIGHTS_FILE))
-        (directory / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=1) + "\n")
-        return directory
+        return files.save_heads(self, directory, WEIGHTS_FILE)
 
 
 def read_config(directory: str | Path) -> HydraConfig:
-    path = Path(directory) / CONFIG_FILE
-    if not path.is_file():
-        raise SpecserveError(f"no Hydra heads at {directory} (missing {CONFIG_FILE})")
-    data = json.loads(path.read_text())
-    if data.get("method", "medusa") != "hydra":
-        raise SpecserveError(f"{directory} holds {data.get('method', 'medusa')!r} heads, not Hydra heads")
-    return HydraConfig(**{k: v for k, v in data.items() if k in HydraConfig.__dataclass_fields__})
+    return files.read_config(directory, HydraConfig, "Hydra")
 
 
 def load_heads(directory: str | Path, lm_head_weight: torch.Tensor, embedding_weight: torch.Tensor, *,
                dtype=None, device=None) -> HydraHeads:
     """Heads saved by `HydraHeads.save`, on the target whose lm_head and input embedding
     weights are given, in the lm_head's dtype and on its device unless told otherwise."""
-    from safetensors.torch import load_file
-
-    config = read_config(directory)
-    state = load_file(str(Path(directory) / WEIGHTS_FILE))
-    heads = HydraHeads(config, lm_head_weight, embedding_weight, state.pop("token_map"))
-    missing, unexpected = heads.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise SpecserveError(f"Hydra weights at {directory} do not match their config "
-                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    heads.requires_grad_(False).eval()
-    return heads.to(dtype=dtype or lm_head_weight.dtype, device=device or lm_head_weight.device)
+    return files.load_heads(directory, HydraHeads, HydraConfig, WEIGHTS_FILE, "Hydra", lm_head_weight,
+                            embedding_weight, dtype=dtype, device=device)

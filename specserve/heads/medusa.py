@@ -118,6 +118,8 @@ class MedusaHeads(nn.Module):
         Returns logits [num_heads, ..., head_vocab] over `token_map`'s ids."""
         return torch.stack([block(hidden) @ self.projection(i).T for i, block in enumerate(self.blocks)])
 
+    context_window = 0  # Medusa's heads read h_t alone, never past hidden states
+
     def features(self, hidden: torch.Tensor, path: torch.Tensor | None = None) -> torch.Tensor:
         """[num_heads, ..., hidden]: every head before its projection (the trainer's interface,
         specserve.heads.train.TrainableHeads). Medusa's heads read no path."""

@@ -79,6 +79,7 @@ class TrainOptions:
     generated_share: float = 0.5  # share of each step's positions taken from the continuations
     head_vocab_size: int | None = None  # None: the full vocabulary up to 65536, else 32768
     own_lm_head: bool = False  # Medusa only: train a copy of the lm_head per head (large: slow on CPU)
+    prefix_window: int = 0  # Hydra only: Hydra++ prefix attention over the last N hidden states (0: off)
     seed: int = 0
     dtype: str = "bfloat16"  # the target's dtype while caching; heads train in float32
     warmup_steps: int | None = None  # None: 5% of the steps, at most 100
@@ -124,8 +125,10 @@ class TrainableHeads(Protocol):
     token_map: torch.Tensor  # [head_vocab] the ids the projection covers
     lm_heads: object  # None: the target's shared lm_head rows; else one trained projection per head
 
-    def features(self, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
-        """hidden [B, H] (h_t), path [B, K] (x_{t+1} .. x_{t+K}) -> [K, B, H], float32."""
+    def features(self, hidden: torch.Tensor, path: torch.Tensor, context=None) -> torch.Tensor:
+        """hidden [B, H] (h_t), path [B, K] (x_{t+1} .. x_{t+K}), context (states [B, W, H],
+        valid [B, W]: the last W hidden states up to h_t, for heads whose `context_window` > 0)
+        -> [K, B, H], float32."""
         ...
 
     def trainable_parameters(self) -> list: ...
@@ -148,7 +151,8 @@ def _hydra_heads(model, options: TrainOptions, token_map: torch.Tensor, name: st
 
     vocab_size, hidden_size = model.lm_head.weight.shape
     config = HydraConfig(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=options.num_heads,
-                         num_layers=options.num_layers, head_vocab_size=len(token_map), target=name)
+                         num_layers=options.num_layers, head_vocab_size=len(token_map), target=name,
+                         prefix_window=options.prefix_window)
     return HydraHeads(config, model.lm_head.weight.detach(), model.get_input_embeddings().weight, token_map)
 
 
@@ -178,6 +182,11 @@ def validate_options(options: TrainOptions) -> None:
     """Refuse bad options before anything is loaded."""
     if options.method not in HEAD_METHODS:
         raise SpecserveError(f"unknown head method {options.method!r}; built: {', '.join(HEAD_METHODS)}")
+    if options.prefix_window and options.method != "hydra":
+        raise SpecserveError(f"prefix attention (--prefix-window) is a Hydra++ option; {options.method} heads "
+                             "read h_t alone")
+    if options.prefix_window < 0:
+        raise SpecserveError(f"prefix_window must be >= 0 (0: off), got {options.prefix_window}")
     if options.own_lm_head and options.method != "medusa":
         raise SpecserveError(f"{options.method} heads share the target's frozen lm_head; own_lm_head "
                              "(--own-lm-head) is for medusa")
@@ -365,6 +374,40 @@ def gather_rows(hidden: torch.Tensor, positions: torch.Tensor, num_heads: int) -
     return hidden[positions[None, :] + torch.arange(num_heads + 1, device=positions.device)[:, None]]
 
 
+def sequence_starts(offsets: torch.Tensor) -> torch.Tensor:
+    """[N]: for every position, where its sequence starts.
+
+    >>> import torch
+    >>> sequence_starts(torch.tensor([0, 2, 5])).tolist()
+    [0, 0, 2, 2, 2]
+    """
+    import torch
+
+    return torch.repeat_interleave(offsets[:-1], offsets[1:] - offsets[:-1])
+
+
+def gather_context(hidden: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor, window: int,
+                   lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(states [B, window, H], valid [B, window]): h_{t-window+1} .. h_t for each position t,
+    oldest first, valid only inside t's sequence and, with `lengths` [B], only the last
+    lengths[b] of them (training draws short windows too: a serving pool's window starts at
+    the prompt's last token).
+
+    >>> import torch
+    >>> states, valid = gather_context(torch.arange(6.)[:, None], torch.tensor([1, 4]), torch.tensor([0, 0, 0, 3, 3, 3]), 3)
+    >>> states[..., 0].tolist(), valid.tolist()
+    ([[0.0, 0.0, 1.0], [2.0, 3.0, 4.0]], [[False, True, True], [False, True, True]])
+    """
+    import torch
+
+    index = positions[:, None] - torch.arange(window - 1, -1, -1, device=positions.device)[None, :]
+    first = starts[positions]
+    if lengths is not None:
+        first = torch.maximum(first, positions - lengths + 1)
+    valid = index >= first[:, None]
+    return hidden[index.clamp(min=0)], valid
+
+
 def gather_path(tokens: torch.Tensor, positions: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[B, num_heads]: x_{t+1} .. x_{t+num_heads} for each position t, the tokens the heads'
     paths hold under teacher forcing (x_{t+1}: the token h_t's row produced, the round's root).
@@ -379,7 +422,7 @@ def gather_path(tokens: torch.Tensor, positions: torch.Tensor, num_heads: int) -
 
 
 def student_logits(heads: TrainableHeads, h: torch.Tensor, path: torch.Tensor,
-                   shared_projection: torch.Tensor) -> torch.Tensor:
+                   shared_projection: torch.Tensor, context=None) -> torch.Tensor:
     """What the heads compute, [K, B, head_vocab], with the vocabulary products in the
     projection's dtype (bfloat16 matrix products are ~4x faster than float32 on this CPU; the
     heads and their gradients stay float32). `path`: [B, K] (see `gather_path`).
@@ -387,7 +430,8 @@ def student_logits(heads: TrainableHeads, h: torch.Tensor, path: torch.Tensor,
     import torch
     import torch.nn.functional as F
 
-    outs = heads.features(h.float(), path)  # [K, B, H] float32
+    outs = (heads.features(h.float(), path) if context is None else
+            heads.features(h.float(), path, (context[0].float(), context[1])))  # [K, B, H] float32
     dtype = shared_projection.dtype
     if heads.lm_heads is None:
         flat = F.linear(outs.reshape(-1, outs.shape[-1]).to(dtype), shared_projection)
@@ -396,7 +440,7 @@ def student_logits(heads: TrainableHeads, h: torch.Tensor, path: torch.Tensor,
 
 
 def distillation_loss(heads: TrainableHeads, rows: torch.Tensor, path: torch.Tensor, teacher_weight: torch.Tensor,
-                      decay: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      decay: float, context=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """rows: [K + 1, B, H] from `gather_rows`; path: [B, K] from `gather_path`; teacher_weight:
     [head_vocab, H], the lm_head's token_map rows. Head i learns softmax(h_{t+i+1} @ teacher_weight.T), the target's
     distribution of token t+i+2 restricted to the map.
@@ -408,7 +452,7 @@ def distillation_loss(heads: TrainableHeads, rows: torch.Tensor, path: torch.Ten
     with torch.no_grad():
         teacher = F.linear(rows[1:].reshape(-1, hidden).to(teacher_weight.dtype), teacher_weight)
         teacher = teacher.float().softmax(-1).view(num_heads, batch, -1)
-    student = student_logits(heads, rows[0], path, teacher_weight).float().log_softmax(-1)
+    student = student_logits(heads, rows[0], path, teacher_weight, context).float().log_softmax(-1)
     per_head = -(teacher * student).sum(-1).mean(-1)
     weights = decay ** torch.arange(num_heads, dtype=torch.float32, device=per_head.device)
     agree = (student.argmax(-1) == teacher.argmax(-1)).float().mean(-1)
@@ -423,6 +467,8 @@ def heldout_accuracy(heads: TrainableHeads, teacher_weight: torch.Tensor, hidden
     import torch
 
     num_heads = heads.config.num_heads
+    window = getattr(heads, "context_window", 0)
+    starts = sequence_starts(offsets)
     positions = usable_positions(offsets, num_heads)
     if len(positions) == 0:
         return [0.0] * num_heads
@@ -431,7 +477,11 @@ def heldout_accuracy(heads: TrainableHeads, teacher_weight: torch.Tensor, hidden
     with torch.no_grad():
         for batch in positions.split(EVAL_BATCH):
             path = gather_path(tokens, batch, num_heads).to(device)
-            logits = student_logits(heads, hidden[batch].to(device), path, teacher_weight)  # [K, B, head_vocab]
+            context = None
+            if window:
+                states, valid = gather_context(hidden, batch, starts, window)
+                context = (states.to(device), valid.to(device))
+            logits = student_logits(heads, hidden[batch].to(device), path, teacher_weight, context)  # [K, B, head_vocab]
             guess = heads.token_map[logits.argmax(-1)].cpu()  # [K, B]
             truth = greedy[batch[None, :] + shifts[:, None]]  # [K, B]
             hits += (guess == truth).sum(-1)
@@ -614,6 +664,7 @@ def _build_heads(target: Target, options: TrainOptions, data: dict, device: str,
         t = data["tensors"]
         token_map = choose_token_map(torch.cat([t["train.tokens"], t["gen.tokens"]]),
                                      torch.cat([t["train.greedy"], t["gen.greedy"]]), vocab_size, head_vocab)
+    torch.manual_seed(options.seed)  # randomly initialised layers: same seed, same start
     heads = HEAD_METHODS[options.method](target.model, options, token_map, target.name).to(device)
     teacher_weight = lm_head[token_map.to(lm_head.device)].to(device=device, dtype=data["dtype"])
     return heads, teacher_weight
@@ -634,6 +685,8 @@ def _train(heads: TrainableHeads, teacher_weight: torch.Tensor, options: TrainOp
     own_count = (options.batch_size if len(text_positions) == 0 else
                  round(options.batch_size * options.generated_share) if len(own_positions) else 0)
     draws = [(p, n) for p, n in ((text_positions, options.batch_size - own_count), (own_positions, own_count)) if n]
+    window = getattr(heads, "context_window", 0)
+    starts = sequence_starts(torch.cat([t["train.offsets"][:-1], t["gen.offsets"] + len(t["train.hidden"])])).to(device)
     eval_sets = {"text": (t["eval.hidden"], t["eval.greedy"], t["eval.tokens"], t["eval.offsets"])}
     if len(t["geneval.greedy"]):
         eval_sets["own"] = (t["geneval.hidden"], t["geneval.greedy"], t["geneval.tokens"], t["geneval.offsets"])
@@ -676,7 +729,11 @@ def _train(heads: TrainableHeads, teacher_weight: torch.Tensor, options: TrainOp
             batch = batch.to(device)
             rows = gather_rows(hidden, batch, options.num_heads)
             path = gather_path(tokens, batch, options.num_heads)
-            loss, _, agree = distillation_loss(heads, rows, path, teacher_weight, options.loss_decay)
+            context = None
+            if window:
+                lengths = torch.randint(1, window + 1, (len(batch),), generator=sampler).to(device)
+                context = gather_context(hidden, batch, starts, window, lengths)
+            loss, _, agree = distillation_loss(heads, rows, path, teacher_weight, options.loss_decay, context)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

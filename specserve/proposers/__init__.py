@@ -27,6 +27,18 @@ class Proposer(Protocol):
 
 
 class HiddenStateProposer(Protocol):
+    context_window: int  # how many past hidden states the heads read (0: h_t alone)
+
+    def observe(self, request_id: str, position: int, states) -> None:
+        """The hidden states [n, hidden] of the tokens a verify pass committed for the request,
+        the first being token `position`'s (every pass, proposing or not; used when
+        context_window > 0)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget whatever is kept for the request."""
+        ...
+
     def propose_from_hidden(self, requests: list[ProposeRequest], hidden) -> list[Proposal]:
         """Draft tokens for each request from the target's last hidden state after its last
         committed token (hidden: [len(requests), hidden_size])."""

@@ -29,19 +29,20 @@ class HydraProposer(HeadProposer):
     def propose_from_hidden(self, requests: list[ProposeRequest], hidden: torch.Tensor) -> list[Proposal]:
         """hidden: [len(requests), hidden], the target's last hidden state after each request's
         last committed token (request.token_ids[-1], the root). One batched heads call per
-        level for every request."""
+        level for every request. With prefix attention, h_t first looks back over the
+        request's window (`observe`)."""
         if not requests:
             return []
         growths = self.growths(requests)
         drafts = [_Draft(r.token_ids[-1]) for r in requests]
-        hidden = hidden.to(self.heads.token_map.device)
+        base = self.heads.base(hidden.to(self.heads.token_map.device), self.context(requests))
         for depth in range(self.num_heads):
             frontier = [(b, node) for b, g in enumerate(growths) if g is not None for node in g.frontier()]
             if not frontier:
                 break
-            rows = torch.tensor([b for b, _ in frontier], device=hidden.device)
-            paths = torch.tensor([drafts[b].path(node) for b, node in frontier], device=hidden.device)
-            logits = self.heads.head_logits(depth, hidden[rows], paths)  # [N, head_vocab]
+            rows = torch.tensor([b for b, _ in frontier], device=base.device)
+            paths = torch.tensor([drafts[b].path(node) for b, node in frontier], device=base.device)
+            logits = self.heads.head_logits(depth, base[rows], paths)  # [N, head_vocab]
             ids, probs = self.top_candidates(logits, growths)
             by_request: dict[int, dict[int, tuple[list[int], list[float]]]] = {}
             for i, (b, node) in enumerate(frontier):
