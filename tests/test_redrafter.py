@@ -241,7 +241,7 @@ def test_loading_builds_the_redrafter_proposer(saved_drafter):
             == ReDrafterProposer(drafter).propose_from_hidden(requests, hidden)[0].tree)
     with pytest.raises(SpecserveError, match="proposer 'redrafter' needs redrafter heads; .* holds medusa heads"):
         load_heads_proposer(medusa_dir, TorchWorker(model), method="redrafter")
-    with pytest.raises(SpecserveError, match="holds 'medusa' heads, not a ReDrafter"):
+    with pytest.raises(SpecserveError, match="holds 'medusa' heads, not ReDrafter heads"):
         load_heads(medusa_dir, model.lm_head.weight, model.get_input_embeddings().weight)
 
 

@@ -18,7 +18,8 @@ MANIFESTS = sorted((Path(__file__).parent.parent / "manifests").glob("*.yaml"))
 
 
 def test_there_are_manifests():
-    assert {m.name for m in MANIFESTS} >= {"local.yaml", "local-medusa.yaml", "local-ngram.yaml", "llama70b.yaml"}
+    assert {m.name for m in MANIFESTS} >= {"local.yaml", "local-medusa.yaml", "local-redrafter.yaml", "local-ngram.yaml",
+                                           "llama70b.yaml"}
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)

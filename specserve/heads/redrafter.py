@@ -28,16 +28,16 @@ token_map; the embedding table and lm_head are the target's, never saved).
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.heads import files
 from specserve.heads.hydra import HydraHead
-from specserve.heads.medusa import CONFIG_FILE, check_head_sizes
+from specserve.heads.medusa import check_head_sizes
 from specserve.protocol import SpecserveError
 
 WEIGHTS_FILE = "redrafter.safetensors"
@@ -138,45 +138,17 @@ class ReDrafter(nn.Module):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
-    # ---- files ---------------------------------------------------------------------------
-
-    def state_for_saving(self) -> dict[str, torch.Tensor]:
-        state = {name: value.detach() for name, value in self.state_dict().items()}
-        state["token_map"] = self.token_map
-        return {k: v.contiguous().cpu() for k, v in state.items()}
-
     def save(self, directory: str | Path) -> Path:
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file(self.state_for_saving(), str(directory / WEIGHTS_FILE))
-        (directory / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=1) + "\n")
-        return directory
+        return files.save_heads(self, directory, WEIGHTS_FILE)
 
 
 def read_config(directory: str | Path) -> ReDrafterConfig:
-    path = Path(directory) / CONFIG_FILE
-    if not path.is_file():
-        raise SpecserveError(f"no ReDrafter at {directory} (missing {CONFIG_FILE})")
-    data = json.loads(path.read_text())
-    if data.get("method", "medusa") != "redrafter":
-        raise SpecserveError(f"{directory} holds {data.get('method', 'medusa')!r} heads, not a ReDrafter")
-    return ReDrafterConfig(**{k: v for k, v in data.items() if k in ReDrafterConfig.__dataclass_fields__})
+    return files.read_config(directory, ReDrafterConfig, "ReDrafter")
 
 
 def load_heads(directory: str | Path, lm_head_weight: torch.Tensor, embedding_weight: torch.Tensor, *,
                dtype=None, device=None) -> ReDrafter:
     """A drafter saved by `ReDrafter.save`, on the target whose lm_head and input embedding
     weights are given, in the lm_head's dtype and on its device unless told otherwise."""
-    from safetensors.torch import load_file
-
-    config = read_config(directory)
-    state = load_file(str(Path(directory) / WEIGHTS_FILE))
-    drafter = ReDrafter(config, lm_head_weight, embedding_weight, state.pop("token_map"))
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise SpecserveError(f"ReDrafter weights at {directory} do not match their config "
-                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    drafter.requires_grad_(False).eval()
-    return drafter.to(dtype=dtype or lm_head_weight.dtype, device=device or lm_head_weight.device)
+    return files.load_heads(directory, ReDrafter, ReDrafterConfig, WEIGHTS_FILE, "ReDrafter", lm_head_weight,
+                            embedding_weight, dtype=dtype, device=device)
