@@ -58,14 +58,16 @@ def test_unknown_or_missing_engines_are_refused_when_the_app_is_built(monkeypatc
         build_engine(PoolArgs(model="x", engine="vllm").model_dump(), "target")
 
 
-def test_vllm_draft_pools_and_heads_are_refused_at_build_while_unsupported(monkeypatch):
+def test_vllm_pools_build_where_vllm_is_installed_and_heads_stay_on_torch(monkeypatch):
     from specserve.serve import build_app
 
     monkeypatch.setattr("specserve.engine.engine_installed", lambda name: True)
-    draft = {**APP, "draft": {"model": "smollm2-135m-instruct", "engine": "vllm"}, "speculation": {"proposer": "draft"}}
-    with pytest.raises(SpecserveError, match="draft: engine vllm serves target pools only"):
-        build_app(draft)
     build_app({**APP, "target": {**APP["target"], "engine": "vllm"}})  # a vLLM target pool builds
+    build_app({**APP, "draft": {"model": "smollm2-135m-instruct", "engine": "vllm"}, "speculation": {"proposer": "draft"}})
+    monkeypatch.setattr("specserve.serve.check_heads", lambda args: "/heads")
+    with pytest.raises(SpecserveError, match="engine vllm does not run specserve's heads"):
+        build_app({**APP, "target": {**APP["target"], "engine": "vllm", "heads": "default"},
+                   "speculation": {"proposer": "medusa"}})
 
 
 class FakeEngine:

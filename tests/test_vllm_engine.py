@@ -44,6 +44,19 @@ def test_top_n_logprobs_rebuild_the_processed_distribution_exactly_when_top_k_fi
     assert greedy.tokens[0] == first and len(greedy.tokens) >= 2
 
 
+def test_a_drafts_sampled_rows_become_a_sparse_distribution_with_distinct_padding():
+    import math
+
+    from specserve.engine.vllm_engine import sparse_dists
+    from specserve.sampling import densify
+
+    dists = sparse_dists([{3: math.log(0.5), 1: math.log(0.5), 8: float("-inf")}, {0: math.log(0.9), 2: math.log(0.1)}])
+    dense = densify(dists, 10)
+    assert torch.allclose(dense.sum(-1), torch.ones(2))
+    assert dense[0, 3] == dense[0, 1] == 0.5 and dense[0, 8] == 0  # top-k removed token 8
+    assert abs(float(dense[1, 0]) - 0.9) < 1e-6 and len(set(dists.ids[1].tolist())) == dists.ids.shape[1]
+
+
 def test_vllm_engine_args_come_from_the_pool():
     pool = PoolArgs(model="m", engine="vllm", dtype="bfloat16", kv_cache_memory="512MiB",
                     engine_kwargs={"tensor_parallel_size": 4, "max_model_len": 4096, "score_logprobs": 32}).model_dump()
@@ -51,6 +64,7 @@ def test_vllm_engine_args_come_from_the_pool():
     assert args["tensor_parallel_size"] == 4 and args["distributed_executor_backend"] == "ray"
     assert args["max_logprobs"] == 32 and "score_logprobs" not in args
     assert args["enable_prefix_caching"] and args["kv_cache_memory_bytes"] == 512 << 20
+    assert engine_args(pool, "/models/m", "draft")["logprobs_mode"] == "processed_logprobs"
     gpu = engine_args({**pool, "device": "cuda", "engine_kwargs": {}}, "/models/m")
     assert not gpu["enforce_eager"] and "kv_cache_memory_bytes" not in gpu and gpu["distributed_executor_backend"] == "uni"
 
@@ -164,6 +178,61 @@ def test_sampling_the_engine_cannot_rebuild_is_refused(vllm_engine):
     tree = TokenTree((5, 6), (-1, -1))
     with pytest.raises(SpecserveError, match="chains only"):
         run(vllm_engine.verify(VerifyRequest("tree", ids, SamplingParams(), 0, tree)))
+
+
+@pytest.fixture(scope="module")
+def vllm_draft(vllm_engine):
+    from specserve.engine.vllm_engine import VllmEngine
+
+    engine = VllmEngine(smol_pool_args(), role="draft")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.vllm
+def test_a_vllm_draft_and_a_vllm_target_decode_greedy_exactly(vllm_engine, vllm_draft):
+    """Speculative decoding with both pools' engines on vLLM (the draft is SmolLM2 itself, so
+    every greedy draft token is accepted): output equals vLLM's own greedy decoding."""
+    from specserve.engine.vllm_engine import greedy_reference
+    from specserve.protocol import DETERMINISTIC, ProposeRequest
+
+    prompt = [504, 3458, 282, 4649, 314, 253, 1378, 28, 1669]
+    reference = run(greedy_reference(vllm_engine, prompt, 20))
+    ids, accepted = list(prompt), []
+    while len(ids) - len(prompt) < 20:
+        proposal = run(vllm_draft.propose(ProposeRequest("pair", ids, K, SamplingParams(), seed=0)))
+        assert proposal.law == DETERMINISTIC and len(proposal.tree) == K
+        result = run(vllm_engine.verify(VerifyRequest("pair", ids, SamplingParams(), 0, proposal.tree)))
+        ids += result.tokens
+        accepted.append(result.num_accepted)
+    assert ids[len(prompt):len(prompt) + 20] == reference
+    assert sum(accepted) / len(accepted) >= K - 1  # the same model drafts: (nearly) all accepted
+
+
+@pytest.mark.vllm
+def test_a_vllm_draft_sends_the_processed_distribution_it_sampled_from(vllm_draft):
+    """Sampled with top_k <= 20, a vLLM draft's tokens come with the distribution they were drawn
+    from: transformers' full-vocabulary distribution after temperature, top-k and top-p."""
+    from specserve import models
+    from specserve.protocol import SAMPLED, ProposeRequest
+    from specserve.sampling import LazyTargetProbs, densify
+
+    model = models.load_causal_lm(SMOL, dtype="float32")
+    prompt = [504, 3458, 282, 4649, 314, 253, 1378, 28, 1669]
+    params = SamplingParams(temperature=0.8, top_k=8, top_p=0.9)
+    proposal = run(vllm_draft.propose(ProposeRequest("q", prompt, 3, params, seed=5)))
+    assert proposal.law == SAMPLED and len(proposal.tree) == 3
+    tokens = list(proposal.tree.tokens)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    want = LazyTargetProbs(logits[:, :vllm_draft.vocab_size], params).dense()
+    got = densify(proposal.dists, want.shape[-1])
+    assert torch.allclose(got, want, atol=2e-4), (got - want).abs().max()
+    assert all(got[i, t] > 0 for i, t in enumerate(tokens))
+    again = run(vllm_draft.propose(ProposeRequest("q", prompt, 3, params, seed=5)))
+    assert again.tree == proposal.tree  # the round's seed makes the draft reproducible
+    loose = run(vllm_draft.propose(ProposeRequest("q", prompt, 3, SamplingParams(temperature=0.8), seed=5)))
+    assert loose.law == "deterministic"  # outside the exact regime: the greedy chain (exact for any target)
 
 
 # ---- through Ray Serve: a vLLM target pool behind the router ---------------------------------

@@ -1,4 +1,4 @@
-"""The vLLM engine (`engine: vllm`, target pools): one vLLM AsyncLLM per replica.
+"""The vLLM engine (`engine: vllm`, target and draft pools): one vLLM AsyncLLM per replica.
 
 vLLM 0.32 takes no external draft tokens, so a round is verified by *scoring*: the request's
 token ids plus its draft chain go in as a prompt with `prompt_logprobs`, and one greedy token
@@ -17,6 +17,12 @@ own acceptance turns them into tokens, with the request's own seed.
   top_k <= N: temperature, top-k and top-p then see every token they can keep. Other sampled
   requests are refused (EngineInfo.sampled_top_k_max). Chains only: a tree goes as a chain.
 
+Draft pools (`role="draft"`): the draft generates its k tokens with vLLM. Greedy requests, and
+sampled ones outside the exact regime, get the draft's greedy chain (law deterministic: exact
+for any target sampling). Sampled requests with 1 <= top_k <= N are sampled by vLLM with the
+round's seed, and the processed distributions they were drawn from (logprobs_mode
+processed_logprobs, top-N, which hold every token top-k keeps) travel with them (law sampled).
+
 vLLM is imported only inside this module's engine class (the router and the controller never
 import it). Tensor parallelism comes from `engine_kwargs.tensor_parallel_size`; with more than
 one GPU vLLM uses Ray's executor inside the replica's placement group (placement_group_bundles).
@@ -26,12 +32,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from typing import Any
 
+import numpy as np
+
 from specserve.engine import EngineInfo, sampling_refusal, vocabulary_fingerprint
 from specserve.protocol import (
-    SAMPLED, PoolLoad, Proposal, ProposeRequest, SpecserveError, VerifyRequest, VerifyResult,
+    DETERMINISTIC, SAMPLED, PoolLoad, Proposal, ProposeRequest, SparseDist, SpecserveError, TokenTree, VerifyRequest,
+    VerifyResult,
 )
 
 DEFAULT_SCORE_LOGPROBS = 20  # top-N logprobs per row: sampling is exact for top_k <= N
@@ -39,12 +49,10 @@ SPECSERVE_KWARGS = ("score_logprobs",)  # engine_kwargs specserve reads; the res
 
 
 def build(pool_args: dict[str, Any], role: str, **_) -> VllmEngine:
-    if role != "target":
-        raise SpecserveError("engine vllm serves target pools only so far; use engine: torch for the draft pool")
-    return VllmEngine(pool_args)
+    return VllmEngine(pool_args, role=role)
 
 
-def engine_args(pool_args: dict[str, Any], model_path: str) -> dict[str, Any]:
+def engine_args(pool_args: dict[str, Any], model_path: str, role: str = "target") -> dict[str, Any]:
     """AsyncEngineArgs keywords for a pool: specserve's pool options, then engine_kwargs (which win).
 
     >>> args = engine_args({"dtype": "float32", "device": "cpu", "kv_cache_memory": 1 << 30,
@@ -65,6 +73,8 @@ def engine_args(pool_args: dict[str, Any], model_path: str) -> dict[str, Any]:
     }
     if not str(pool_args.get("device", "cpu")).startswith("cuda"):
         args["kv_cache_memory_bytes"] = int(pool_args["kv_cache_memory"])
+    if role == "draft":  # a draft reports the distributions it sampled from: after temperature, top-k, top-p
+        args["logprobs_mode"] = "processed_logprobs"
     return args | extra
 
 
@@ -122,15 +132,40 @@ def accept(request: VerifyRequest, logits) -> VerifyResult:
     return VerifyResult(request.request_id, len(out) - 1, out)
 
 
+def sparse_dists(rows: list[dict[int, float]]) -> SparseDist:
+    """The processed distributions a draft sampled from, one row per token ({token: logprob},
+    -inf for tokens top-k / top-p removed): [k, m] ids and probabilities, renormalised against
+    float rounding. Short rows are padded with other token ids of probability 0 (distinct ids:
+    densify scatters them).
+
+    >>> d = sparse_dists([{5: math.log(0.75), 9: math.log(0.25)}, {0: 0.0}])
+    >>> d.ids.tolist(), d.probs.round(2).tolist()
+    ([[5, 9], [0, 1]], [[0.75, 0.25], [1.0, 0.0]])
+    """
+    kept = [sorted(((t, math.exp(lp)) for t, lp in row.items() if lp > float("-inf")), key=lambda x: -x[1])
+            for row in rows]
+    width = max(len(row) for row in kept)
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    probs = np.zeros((len(rows), width), dtype=np.float32)
+    for i, row in enumerate(kept):
+        present = {t for t, _ in row}
+        padding = itertools.islice((t for t in itertools.count() if t not in present), width - len(row))
+        ids[i] = [t for t, _ in row] + list(padding)
+        probs[i, : len(row)] = [p for _, p in row]
+        probs[i] /= probs[i].sum()
+    return SparseDist(ids, probs)
+
+
 class VllmEngine:
     """See the module docstring."""
 
-    def __init__(self, pool_args: dict[str, Any], llm=None):
+    def __init__(self, pool_args: dict[str, Any], llm=None, *, role: str = "target"):
         from specserve import models
 
         self.args = pool_args
         self.model_path = str(models.resolve(pool_args["model"], pull_missing=False)) \
             if not models.is_hub_id(pool_args["model"]) else pool_args["model"]
+        self.role = role
         self.top_n = score_logprobs(pool_args)
         self.llm = llm or self._start()
         config = self.llm.model_config
@@ -138,7 +173,7 @@ class VllmEngine:
         self._info = EngineInfo(
             engine="vllm", max_context=config.max_model_len, eos_token_ids=tuple(sorted(self._eos_ids())),
             vocabulary=vocabulary_fingerprint(pool_args["model"]), trees=False, hidden_states=False,
-            proposes=False, sampled_top_k_max=self.top_n)
+            proposes=role == "draft", sampled_top_k_max=self.top_n)
         self._calls = itertools.count()
         self.in_flight = 0
         self.rounds = 0
@@ -153,7 +188,7 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(self.args, self.model_path)))
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(self.args, self.model_path, self.role)))
 
     def _eos_ids(self) -> set[int]:
         from specserve.text import TextCodec
@@ -176,6 +211,8 @@ class VllmEngine:
 
     async def verify(self, request: VerifyRequest) -> VerifyResult:
         draft = request.draft
+        if self.role != "target":
+            raise SpecserveError("this pool proposes; it does not verify")
         if not draft.is_chain:
             raise SpecserveError("engine vllm verifies chains only; send the tree as a chain (the router does)")
         if request.typical is not None or request.propose_next is not None:
@@ -226,7 +263,35 @@ class VllmEngine:
         return target_rows(prompt, last, start, out.num_cached_tokens or 0)
 
     async def propose(self, request: ProposeRequest) -> Proposal:
-        raise SpecserveError("engine vllm serves target pools only so far")
+        """A chain of request.k draft tokens (a tree request gets a chain of its depth)."""
+        from vllm import SamplingParams
+
+        if self.role != "draft":
+            raise SpecserveError("this pool verifies; it does not propose")
+        if request.k == 0:
+            return Proposal(request.request_id, TokenTree(), DETERMINISTIC)
+        started = time.perf_counter()
+        sampled = sampling_refusal(self._info, request.params) is None and not request.params.greedy
+        params = SamplingParams(max_tokens=request.k, ignore_eos=True, detokenize=False, **(
+            {"temperature": request.params.temperature, "top_k": request.params.top_k, "top_p": request.params.top_p,
+             "seed": request.seed, "logprobs": self.top_n} if sampled else {"temperature": 0.0}))
+        self.in_flight += 1
+        try:
+            out = None
+            async for out in self.llm.generate({"prompt_token_ids": list(request.token_ids)}, params,
+                                               f"{request.request_id}-draft-{next(self._calls)}"):
+                pass
+        finally:
+            self.in_flight -= 1
+        [completion] = out.outputs
+        tokens = list(completion.token_ids)[: request.k]
+        dists = sparse_dists([{t: lp.logprob for t, lp in row.items()} for row in completion.logprobs[: len(tokens)]]
+                             ) if sampled else None
+        seconds = time.perf_counter() - started
+        self._busy_s += seconds
+        self._load = PoolLoad(self.in_flight + 1, 1.0, 0, seconds / max(1, len(tokens)), max(1, len(tokens)))
+        return Proposal(request.request_id, TokenTree.chain(tokens), SAMPLED if sampled else DETERMINISTIC, dists,
+                        compute_s=seconds, load=self._load)
 
     async def release(self, request_id: str) -> bool:
         return False  # vLLM owns its prefix cache; a finished round holds nothing of the request

@@ -81,9 +81,6 @@ def check_engines(args: AppArgs) -> None:
     require_engine(args.target.engine, "target")
     if args.draft is not None:
         require_engine(args.draft.engine, "draft")
-        if args.draft.engine == "vllm":
-            raise SpecserveError("draft: engine vllm serves target pools only so far; use engine: torch for the "
-                                 "draft pool")
     if args.target.engine == "vllm" and args.target.heads is not None:
         raise SpecserveError("target: engine vllm does not run specserve's heads; use engine: torch for "
                              "co-located heads")

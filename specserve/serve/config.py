@@ -43,8 +43,8 @@ class PoolArgs(_DeploymentArgs):
     model: str = Field(description="registry name, local directory or Hub id")
     engine: Literal["torch", "vllm"] = Field(
         "torch", description="torch: specserve's own engine (CPU, one GPU; every method). vllm: vLLM's AsyncLLM "
-        "(target pools; tensor parallel from engine_kwargs; chains; exact for greedy, and for sampling with "
-        "1 <= top_k <= engine_kwargs.score_logprobs, default 20); must be installed where Ray runs (make vllm-env)")
+        "(target and draft pools; tensor parallel from engine_kwargs; chains; exact for greedy, and for sampling "
+        "with 1 <= top_k <= engine_kwargs.score_logprobs, default 20); must be installed where Ray runs (make vllm-env)")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="engine-specific options")
     heads: str | None = Field(None, description="target only: Medusa, Hydra or ReDrafter heads trained by `specserve "
                               "train-heads` (a directory, or 'default' for $SPECSERVE_HOME/heads/<model>-<method>, "
