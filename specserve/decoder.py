@@ -111,6 +111,9 @@ class SpeculativeDecoder:
         )
 
     def _check_proposer(self, spec: Speculation) -> None:
+        if spec.proposer == "native":
+            raise SpecserveError("proposer 'native' is vLLM's own speculative decoding inside a vLLM target pool "
+                                 "(serve with engine: vllm); the library decoder runs the torch engine")
         if spec.proposer in DRAFT_POOL_PROPOSERS and self.proposer is None:
             raise SpecserveError(f"proposer {spec.proposer!r} needs a draft model")
         if spec.co_located and self.verifier.heads is None:

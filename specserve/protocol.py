@@ -15,10 +15,13 @@ MAX_K = 64  # longest draft chain / deepest tree accepted anywhere
 MAX_TREE_NODES = 256  # largest draft tree accepted anywhere
 
 # Speculation = proposer x shape. Proposers: where draft tokens come from.
-PROPOSERS = ("none", "draft", "medusa", "hydra", "redrafter", "ngram")
+PROPOSERS = ("none", "draft", "medusa", "hydra", "redrafter", "ngram", "native")
 DRAFT_POOL_PROPOSERS = ("draft",)  # need a separate draft model (a draft pool)
 HEAD_PROPOSERS = ("medusa", "hydra", "redrafter")  # heads on the target: co-located, proposed by the verify pass
 LOCAL_PROPOSERS = ("ngram",)  # no model: proposed where the token ids are (router, library decoder)
+# No draft reaches the router: the target decodes alone (none), or speculates inside its own engine
+# (native: vLLM's speculative decoding in a vLLM target pool; each round returns several tokens).
+TARGET_ONLY_PROPOSERS = ("none", "native")
 # Shapes: a chain of k tokens, or a token tree (static when TreeSpec.shape is set, else dynamic).
 SHAPES = ("chain", "tree")
 # The method names before proposer and shape were separate, and what each one means now.
@@ -284,7 +287,7 @@ class Speculation:
     @property
     def depth(self) -> int:
         """The most draft tokens one round can accept: k for a chain, the tree's depth."""
-        return 0 if self.proposer == "none" else self.k if self.shape == "chain" else self.tree.depth
+        return 0 if self.proposer in TARGET_ONLY_PROPOSERS else self.k if self.shape == "chain" else self.tree.depth
 
     @property
     def co_located(self) -> bool:
@@ -306,11 +309,11 @@ class Speculation:
 
     @property
     def adaptive(self) -> bool:
-        return self.policy == "adaptive" and self.proposer != "none"
+        return self.policy == "adaptive" and self.proposer not in TARGET_ONLY_PROPOSERS
 
     def describe(self) -> str:
-        if self.proposer == "none":
-            return "none"
+        if self.proposer in TARGET_ONLY_PROPOSERS:
+            return {"none": "none", "native": "native (the target engine's own speculative decoding)"}[self.proposer]
         shape = f"chain k={self.k}" if self.shape == "chain" else f"tree {self.tree}"
         policy = ", adaptive (load-aware)" if self.adaptive else ""
         return f"{self.proposer}, {shape}{policy}, {'typical acceptance (LOSSY)' if self.lossy else 'exact'}"

@@ -13,7 +13,7 @@ from specserve.engine import (
     EngineInfo, adapt_speculation, build_engine, engine_installed, require_engine, sampling_refusal,
 )
 from specserve.protocol import SamplingParams, Speculation, SpecserveError, TokenTree, TreeSpec, VerifyRequest
-from specserve.serve.config import PoolArgs
+from specserve.serve.config import AppArgs, PoolArgs
 
 VLLM_INFO = EngineInfo("vllm", 1024, (2,), "fingerprint", trees=False, hidden_states=False, proposes=False,
                        sampled_top_k_max=20)
@@ -29,7 +29,7 @@ def test_greedy_is_exact_everywhere_and_sampling_only_where_the_distribution_is_
     for refused in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=21)):
         assert "top_k <= 20" in sampling_refusal(VLLM_INFO, refused)
     no_sampling = dataclasses.replace(VLLM_INFO, sampled_top_k_max=0)
-    assert "top_k" in sampling_refusal(no_sampling, SamplingParams(temperature=1.0, top_k=1))
+    assert "does not sample exactly" in sampling_refusal(no_sampling, SamplingParams(temperature=1.0, top_k=1))
 
 
 def test_a_tree_goes_as_a_chain_to_an_engine_without_trees():
@@ -130,3 +130,27 @@ def test_the_torch_engine_reports_what_it_can_do():
     assert info.max_context == model.config.max_position_embeddings
     result = asyncio.run(engine.verify(VerifyRequest("r", [1, 2, 3], SamplingParams(), 0)))
     assert result.tokens == [int(model(torch.tensor([[1, 2, 3]])).logits[0, -1].argmax())]
+
+
+def test_native_mode_needs_a_vllm_target_that_speculates_and_takes_every_request():
+    native = dataclasses.replace(VLLM_INFO, native="ngram", sampled_top_k_max=0)
+    for asked in (Speculation(proposer="draft", shape="tree"), Speculation(proposer="none")):
+        assert adapt_speculation(asked, native).proposer == "native"
+    assert adapt_speculation(Speculation(proposer="native"), native).depth == 0  # no draft reaches the router
+    with pytest.raises(SpecserveError, match="needs a target pool that speculates itself"):
+        adapt_speculation(Speculation(proposer="native"), VLLM_INFO)
+    assert "native" in sampling_refusal(native, SamplingParams(temperature=0.5, top_k=5))
+    assert sampling_refusal(native, SamplingParams()) is None
+    with pytest.raises(ValidationError, match="speculative_config"):
+        AppArgs.model_validate({**APP, "speculation": {"proposer": "native"}})
+    args = AppArgs.model_validate({**APP, "speculation": {"proposer": "native"}, "target": {
+        **APP["target"], "engine": "vllm", "engine_kwargs": {"speculative_config": {"method": "ngram"}}}})
+    assert args.speculation.spec().describe().startswith("native")
+
+
+def test_the_library_decoder_refuses_native_mode(qwen_pair):
+    from conftest import make_decoder
+
+    target, _ = qwen_pair
+    with pytest.raises(SpecserveError, match="native"):
+        make_decoder(target, method="none").generate([[1, 2, 3]], proposer="native")

@@ -284,3 +284,51 @@ def test_a_vllm_target_pool_serves_greedy_exactly_and_refuses_sampling_it_cannot
     assert sampled.status_code == 200
     assert sampled.json()["choices"][0]["text"] == complete(
         vllm_app, {"prompt": "Hello", "temperature": 0.8, "top_k": 20, "seed": 1}).json()["choices"][0]["text"]
+
+
+# ---- native mode: vLLM's own speculative decoding inside the target pool ---------------------
+
+NATIVE = {"speculative_config": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
+                                 "prompt_lookup_min": 1}}
+
+
+@pytest.fixture(scope="module")
+def native_app(cluster, vllm_engine):
+    from ray import serve
+
+    from specserve.serve import build_app
+
+    target = smol_pool_args(**NATIVE)
+    serve.run(build_app({
+        "model_name": "smol",
+        "target": {key: target[key] for key in ("model", "engine", "engine_kwargs", "dtype", "kv_cache_memory")}
+        | {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}, "health_check_timeout_s": 300},
+        "speculation": {"proposer": "native"},
+    }), name="native", route_prefix="/native")
+    yield f"{BASE}/native"
+    serve.delete("native")
+
+
+@pytest.mark.vllm
+@pytest.mark.serve
+def test_native_mode_serves_greedy_exactly_through_the_same_api(native_app, vllm_engine):
+    import httpx
+
+    from specserve.engine.vllm_engine import greedy_reference
+    from specserve.text import TextCodec
+
+    codec = TextCodec.for_model(SMOL)
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+    want = codec.decode(run(greedy_reference(vllm_engine, codec.encode(prompt), 40)))
+    got = complete(native_app, {"prompt": prompt, "temperature": 0, "max_tokens": 40, "ignore_eos": True})
+    assert got.status_code == 200, got.text
+    body = got.json()
+    assert body["choices"][0]["text"] == want and body["usage"]["completion_tokens"] == 40
+    streamed = httpx.post(f"{native_app}/v1/completions", timeout=300, json={
+        "model": "smol", "prompt": prompt, "temperature": 0, "max_tokens": 40, "ignore_eos": True, "stream": True})
+    chunks = [line for line in streamed.text.splitlines() if line.startswith("data: {")]
+    import json
+
+    assert "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks) == want
+    refused = complete(native_app, {"prompt": "Hello", "temperature": 0.8, "top_k": 5})
+    assert refused.status_code == 400 and "native" in refused.json()["error"]["message"]

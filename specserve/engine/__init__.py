@@ -51,6 +51,7 @@ class EngineInfo:
     proposes: bool  # can serve a draft pool
     sampled_top_k_max: int | None = None
     heads_method: str | None = None  # co-located heads this engine holds (medusa, hydra)
+    native: str | None = None  # the engine speculates itself (vLLM's method: ngram, draft_model, eagle, ...)
 
 
 class Engine(Protocol):
@@ -107,6 +108,9 @@ def sampling_refusal(info: EngineInfo, params: SamplingParams) -> str | None:
         return None
     if 1 <= params.top_k <= info.sampled_top_k_max:
         return None
+    if info.sampled_top_k_max == 0:
+        return (f"engine {info.engine} does not sample exactly here{' (native speculative decoding)' if info.native else ''}"
+                ": use temperature 0")
     return (f"engine {info.engine} samples exactly only with 1 <= top_k <= {info.sampled_top_k_max} (it rebuilds "
             f"the target distribution from its top-{info.sampled_top_k_max} logprobs); this request has "
             f"top_k={params.top_k}: set top_k, or use temperature 0")
@@ -114,12 +118,18 @@ def sampling_refusal(info: EngineInfo, params: SamplingParams) -> str | None:
 
 def adapt_speculation(spec: Speculation, info: EngineInfo) -> Speculation:
     """`spec` as this target engine can verify it: a tree goes as a chain of the tree's depth
-    (capped at k) to an engine without trees. Proposers the engine cannot serve are refused.
+    (capped at k) to an engine without trees; a target that speculates itself (native) does so
+    for every request. Proposers the engine cannot serve are refused.
 
     >>> vllm = EngineInfo("vllm", 2048, (2,), "v", False, False, False, 20)
     >>> adapt_speculation(Speculation(shape="tree", k=4), vllm).shape
     'chain'
     """
+    if info.native is not None:  # the target speculates itself: every request decodes that way
+        return replace(spec, proposer="native", policy="fixed")
+    if spec.proposer == "native":
+        raise SpecserveError(f"proposer 'native' needs a target pool that speculates itself (engine vllm with a "
+                             f"speculative_config); this target's engine is {info.engine} without one")
     if spec.co_located and not info.hidden_states:
         raise SpecserveError(f"proposer {spec.proposer!r} needs heads on the target; engine {info.engine} "
                              "does not run them")

@@ -23,6 +23,12 @@ for any target sampling). Sampled requests with 1 <= top_k <= N are sampled by v
 round's seed, and the processed distributions they were drawn from (logprobs_mode
 processed_logprobs, top-N, which hold every token top-k keeps) travel with them (law sampled).
 
+Native mode (`speculation.proposer: native`, `engine_kwargs.speculative_config`): vLLM runs its
+own speculative decoding (draft_model, eagle, medusa, ngram; `num_speculative_tokens_per_batch_size`
+for load) inside the target pool, and each round returns up to NATIVE_ROUND_TOKENS tokens
+behind the same router, API and failover. Greedy only: vLLM's sampled speculative path is not
+checked here (DESIGN.md), so sampled requests get a 400.
+
 vLLM is imported only inside this module's engine class (the router and the controller never
 import it). Tensor parallelism comes from `engine_kwargs.tensor_parallel_size`; with more than
 one GPU vLLM uses Ray's executor inside the replica's placement group (placement_group_bundles).
@@ -45,6 +51,7 @@ from specserve.protocol import (
 )
 
 DEFAULT_SCORE_LOGPROBS = 20  # top-N logprobs per row: sampling is exact for top_k <= N
+NATIVE_ROUND_TOKENS = 16  # native mode: tokens one round asks vLLM for (its own speculation inside)
 SPECSERVE_KWARGS = ("score_logprobs",)  # engine_kwargs specserve reads; the rest go to AsyncEngineArgs
 
 
@@ -167,13 +174,15 @@ class VllmEngine:
             if not models.is_hub_id(pool_args["model"]) else pool_args["model"]
         self.role = role
         self.top_n = score_logprobs(pool_args)
+        speculative = pool_args.get("engine_kwargs", {}).get("speculative_config")
+        self.native = (speculative.get("method") or "draft_model") if speculative else None
         self.llm = llm or self._start()
         config = self.llm.model_config
         self.vocab_size = config.get_vocab_size()
         self._info = EngineInfo(
             engine="vllm", max_context=config.max_model_len, eos_token_ids=tuple(sorted(self._eos_ids())),
             vocabulary=vocabulary_fingerprint(pool_args["model"]), trees=False, hidden_states=False,
-            proposes=role == "draft", sampled_top_k_max=self.top_n)
+            proposes=role == "draft", sampled_top_k_max=0 if self.native else self.top_n, native=self.native)
         self._calls = itertools.count()
         self.in_flight = 0
         self.rounds = 0
@@ -188,7 +197,15 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(self.args, self.model_path, self.role)))
+        args = engine_args(self.args, self.model_path, self.role)
+        if self.native and args["speculative_config"].get("model"):  # a registry name for vLLM's draft
+            from specserve import models
+
+            draft = args["speculative_config"]["model"]
+            if not models.is_hub_id(draft):
+                args["speculative_config"] = {**args["speculative_config"],
+                                              "model": str(models.resolve(draft, pull_missing=False))}
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
     def _eos_ids(self) -> set[int]:
         from specserve.text import TextCodec
@@ -221,6 +238,10 @@ class VllmEngine:
         refusal = sampling_refusal(self._info, request.params)
         if refusal is not None:
             raise SpecserveError(refusal)
+        if self.native is not None:
+            if len(draft):
+                raise SpecserveError("this target pool speculates itself (native); it takes no drafts")
+            return await self._native_round(request)
         started = time.perf_counter()
         self.in_flight += 1
         try:
@@ -240,6 +261,29 @@ class VllmEngine:
         self._load = PoolLoad(self.in_flight + 1, float(self.last_computed), 0, seconds)
         result.compute_s, result.load = seconds, self._load
         return result
+
+    async def _native_round(self, request: VerifyRequest) -> VerifyResult:
+        """Up to NATIVE_ROUND_TOKENS greedy tokens from vLLM's own speculative decoding."""
+        from vllm import SamplingParams
+
+        started = time.perf_counter()
+        params = SamplingParams(max_tokens=min(NATIVE_ROUND_TOKENS, request.params.max_tokens), temperature=0.0,
+                                ignore_eos=request.params.ignore_eos, detokenize=False,
+                                stop_token_ids=list(request.params.stop_token_ids))
+        self.in_flight += 1
+        try:
+            out = None
+            async for out in self.llm.generate({"prompt_token_ids": list(request.token_ids)}, params,
+                                               f"{request.request_id}-native-{next(self._calls)}"):
+                pass
+        finally:
+            self.in_flight -= 1
+        tokens = list(out.outputs[0].token_ids)
+        seconds = time.perf_counter() - started
+        self.rounds += 1
+        self._busy_s += seconds
+        self._load = PoolLoad(self.in_flight + 1, 1.0, 0, seconds / max(1, len(tokens)), max(1, len(tokens)))
+        return VerifyResult(request.request_id, len(tokens) - 1, tokens, compute_s=seconds, load=self._load)
 
     async def _score(self, request_id: str, ids: list[int], *, read_cache: bool):
         from vllm import SamplingParams

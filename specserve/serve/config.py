@@ -150,7 +150,8 @@ class SpeculationArgs(_Strict):
     acceptance (`"speculation"` in the request body)."""
 
     proposer: Literal[PROPOSERS] = Field("draft", description="none | draft (a draft pool) | medusa | hydra "  # type: ignore[valid-type]
-                                         "| redrafter (heads on the target, co-located) | ngram (prompt lookup, no model)")
+                                         "| redrafter (heads on the target, co-located) | ngram (prompt lookup, no model) | native (vLLM's own "
+                                         "speculative decoding in a vllm target pool with engine_kwargs.speculative_config)")
     shape: Literal[SHAPES] = Field("chain", description="chain (k tokens) | tree (dynamic, or static "  # type: ignore[valid-type]
                                    "when tree.shape is set)")
     k: int = Field(4, ge=0, le=MAX_K, description="chain length")
@@ -219,6 +220,10 @@ class AppArgs(_Strict):
         if proposer in HEAD_PROPOSERS and self.target.heads is None:
             raise ValueError(f"speculation.proposer {proposer!r} needs heads on the target: set `target.heads` "
                              "to a directory written by `specserve train-heads` (or 'default')")
+        if proposer == "native" and (self.target.engine != "vllm" or "speculative_config" not in self.target.engine_kwargs):
+            raise ValueError("speculation.proposer 'native' runs vLLM's own speculative decoding inside the target "
+                             "pool: set target.engine: vllm and target.engine_kwargs.speculative_config (vLLM's, e.g. "
+                             "{method: ngram, num_speculative_tokens: 4})")
         if self.draft is not None and self.draft.heads is not None:
             raise ValueError("heads belong to the target pool (`target.heads`), not the draft pool")
         return self

@@ -239,11 +239,11 @@ class Router:
         speculation = self.speculation
         if body.speculation is not None:
             speculation = body.speculation.apply_to(speculation)
+        engine = info["engine"]  # the target engine's EngineInfo: adapt to what it can verify
+        speculation = adapt_speculation(speculation, engine)
         if speculation.proposer in DRAFT_POOL_PROPOSERS and self.draft is None:
             raise SpecserveError(f"this deployment has no draft pool for proposer {speculation.proposer!r}: "
                                  f"use {', '.join(repr(p) for p in self._proposers())}")
-        engine = info["engine"]  # the target engine's EngineInfo: adapt to what it can verify
-        speculation = adapt_speculation(speculation, engine)
         params = body.sampling_params(self.args.max_tokens_default)
         refusal = sampling_refusal(engine, params)
         if refusal is not None:
@@ -261,6 +261,9 @@ class Router:
     def _proposers(self) -> list[str]:
         """The proposers this deployment can serve."""
         heads = (self._info or {}).get("heads_method")  # the co-located pool says which heads it holds
+        engine = (self._info or {}).get("engine")
+        if engine is not None and engine.native is not None:
+            return ["native"]  # the target speculates itself, for every request
         return ["none", "ngram"] + (["draft"] if self.draft is not None else []) + ([heads] if heads else [])
 
     def _text(self, state: RequestState) -> str:
