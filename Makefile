@@ -57,7 +57,7 @@ test: setup vllm-env
 	$(PY) -m pytest -q
 	$(MAKE) test-vllm
 
-test-vllm: vllm-env
+test-vllm: setup vllm-env
 	$(VENV)/bin/specserve models pull smollm2-135m-instruct
 	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_engine.py
 
