@@ -8,7 +8,7 @@ DEFAULT_MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # Ray 2.60 turns token auth on by default; a local single-user cluster does not need it.
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup models heads serve serve-vllm generate test test-vllm test-fast bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-adaptive bench-quick bench-full vllm-env clean
+.PHONY: setup models heads serve serve-vllm generate test test-vllm test-fast bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-methods bench-adaptive bench-quick bench-full vllm-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -91,6 +91,12 @@ bench-http: models
 # Prompt lookup against transformers' prompt lookup, batch 1, HumanEval (about 20 minutes).
 bench-ngram: models
 	$(VENV)/bin/specserve bench --preset ngram --out bench-results/ngram
+
+# Every proposer in one run, batch 1, HumanEval and MT-Bench: none, draft chain and tree, prompt
+# lookup, Medusa, Hydra and ReDrafter heads (train each first: make heads, and
+# `specserve train-heads --method hydra|redrafter`; a method without heads says so) (~30 min).
+bench-methods: models
+	$(VENV)/bin/specserve bench --preset methods --out bench-results/methods
 
 # Load-aware speculation: off / always on / adaptive at 1-16 streams, code and chat (about an hour).
 bench-adaptive: models

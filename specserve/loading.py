@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -77,6 +77,19 @@ class LoadedPair:
     eos_token_ids: set[int]
     max_context: int
     heads: object | None = None  # a head proposer (Medusa, Hydra, ReDrafter) co-located with the target
+    heads_by_method: dict = field(default_factory=dict)  # every head proposer loaded, by method
+
+    def __post_init__(self) -> None:
+        if self.heads is not None:
+            self.heads_by_method.setdefault(self.heads.method, self.heads)
+
+    def add_heads(self, directories) -> None:
+        """Load more heads on the same target (one per method; a benchmark compares them on
+        one loaded model). The first loaded becomes `heads` when there were none."""
+        for directory in directories:
+            proposer = load_heads_proposer(Path(directory), self.target)
+            self.heads_by_method[proposer.method] = proposer
+            self.heads = self.heads or proposer
 
     def verifier(self) -> Verifier:
         return Verifier(self.target, self.heads)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from conftest import tiny_heads, perturbed, tiny_model
+from conftest import tiny_heads, tiny_hydra_heads, perturbed, tiny_model
 from specserve import models
 from specserve.benchmarks import library, suite, systems, vllm_runner, workloads
 from specserve.protocol import LEGACY_METHODS
@@ -40,6 +40,7 @@ def tiny_pair(tmp_path_factory):
         model.save_pretrained(dirs[name])
         tokenizer.save_pretrained(dirs[name])
     dirs["heads"] = tiny_heads(target, noise=0.02).save(tmp_path_factory.mktemp("heads"))
+    dirs["hydra"] = tiny_hydra_heads(target, noise=0.02).save(tmp_path_factory.mktemp("hydra"))
     return dirs
 
 
@@ -56,6 +57,7 @@ def _wrong_when_k2(real):
 def test_bench_library_mode_end_to_end(tiny_pair, tmp_path, monkeypatch):
     monkeypatch.setattr(systems, "SPECSERVE_VARIANTS", [*systems.SPECSERVE_VARIANTS, ("draft", {"k": 2}),
                                                         ("tree", {"tree": {"budget": 4, "depth": 2}}),
+                                                        ("hydra", {"shape": "tree"}), ("redrafter", {"k": 2}),
                                                         ("no-such-method", {})])
     monkeypatch.setattr(library, "specserve_call", _wrong_when_k2(library.specserve_call))
     out, docs = tmp_path / "out", tmp_path / "docs"
@@ -68,7 +70,7 @@ def test_bench_library_mode_end_to_end(tiny_pair, tmp_path, monkeypatch):
 
     monkeypatch.setattr(suite, "_service_mode", service_mode_after_checkpoint)
     code = suite.main(["--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["draft"]),
-                       "--heads", str(tiny_pair["heads"]),
+                       "--heads", str(tiny_pair["heads"]), str(tiny_pair["hydra"]),  # one per method
                        "--dtype", "float32", "--prompts", "2", "--max-tokens", "6", "--modes", "library",
                        "--vllm-python", str(tmp_path / "no-vllm" / "python"), "--out", str(out),
                        "--docs", str(docs), "--no-progress", "--threads", "1"])
@@ -98,6 +100,11 @@ def test_bench_library_mode_end_to_end(tiny_pair, tmp_path, monkeypatch):
         assert not by["specserve draft k=4", workload]["mismatch"]
         assert by["specserve draft k=2", workload]["mismatch"]  # the deliberately wrong system is caught
         assert by["specserve medusa shape=tree", workload]["same_as_reference"] == 2  # heads from --heads
+        # the same loaded target with the other heads: a decoder holding Medusa heads refuses hydra
+        hydra = by["specserve hydra shape=tree", workload]
+        assert hydra["status"] == "ok" and hydra["same_as_reference"] == 2, hydra["reason"]
+        no_heads = by["specserve redrafter k=2", workload]
+        assert no_heads["status"] == "cannot run" and "train-heads --method redrafter" in no_heads["reason"]
         assert by["transformers assisted", workload]["reference"] == "transformers target only"
         for name in ("vllm none", "vllm draft_model k=4", "vllm ngram k=4"):
             assert by[name, workload]["status"] == "cannot run" and "vLLM environment" in by[name, workload]["reason"]

@@ -194,8 +194,10 @@ class InProcess:
     def cannot_run(self, system: System, batch: int) -> str | None:
         if system.needs_draft and self.pair.draft is None:
             return "needs a draft model (--draft)"
-        if system.needs_heads and self.pair.heads is None:
-            return "needs Medusa heads for the target (`make heads`, or --heads DIR)"
+        if system.needs_heads and system.method not in self.pair.heads_by_method:
+            hint = "`make heads` or " if system.method == "medusa" else ""
+            return (f"needs {system.method} heads for the target ({hint}`specserve train-heads --method "
+                    f"{system.method}`, or --heads DIR)")
         if system.engine == "specserve":
             from specserve.protocol import LEGACY_METHODS, PROPOSERS
 
@@ -210,6 +212,8 @@ class InProcess:
         """A function (batch of prompt ids, max tokens) -> CallResult for this system."""
         if system.engine == "specserve":
             decoder = self.decoder
+            if system.method in self.pair.heads_by_method:  # the co-located heads this system uses
+                decoder.verifier.heads = self.pair.heads_by_method[system.method]
             return lambda batch, tokens: specserve_call(decoder, system, batch, tokens)
         kwargs = dict(system.options)
         if kwargs.get("assistant_model") == "draft":

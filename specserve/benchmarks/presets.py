@@ -18,6 +18,7 @@ from specserve.benchmarks.systems import K, SERVED
 VS_VLLM = ["specserve none", f"specserve draft k={K}", "vllm none", f"vllm draft_model k={K}"]
 
 MEDUSA_TREE = {"budget": 16, "depth": 4, "width": 4, "min_score": 0.05}  # as deep as `make heads`' 4 heads
+REDRAFTER_BEAMS = {"width": 4, "depth": 4, "budget": 16, "min_score": 0.05}  # manifests/local-redrafter.yaml
 NGRAM_TREE = {"budget": 16, "depth": 8, "width": 4}  # up to 4 earlier matches, 8 tokens each, merged
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -65,6 +66,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "repeats": 2, "systems": ["specserve *", "transformers target only", "transformers prompt lookup"],
         "variants": [("none", {}), ("ngram", {"k": 4}), ("ngram", {"k": 8}),
                      ("ngram", {"shape": "tree", "tree": NGRAM_TREE})],
+    },
+    "methods": {
+        "help": "make bench-methods: every proposer at batch 1 in one run, held-out HumanEval and MT-Bench: target-only, "
+                "draft chain k=4 and tree, prompt lookup k=8, Medusa, Hydra and ReDrafter heads (trained with the same "
+                "budget) as 8-node trees, and ReDrafter's 4 beams of 4 tokens",
+        "modes": ["library"], "workloads": ["code", "chat"], "prompts": 6, "max_tokens": 96, "batch_sizes": [1],
+        "repeats": 2, "systems": ["specserve *"],
+        "variants": [("none", {}), ("draft", {"k": K}), ("tree", {}), ("ngram", {"k": 8}),
+                     *[(method, {"shape": "tree", "tree": {**MEDUSA_TREE, "budget": 8}})
+                       for method in ("medusa", "hydra", "redrafter")],
+                     ("redrafter", {"shape": "tree", "tree": REDRAFTER_BEAMS})],
     },
     "adaptive": {
         "help": "make bench-adaptive: service mode through manifests/local.yaml at 1, 2, 4, 8 and 16 streams on code "

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from specserve.benchmarks import library, presets, report, service, systems, vllm_runner, workloads
 from specserve.benchmarks.plots import write_plots
+from specserve.protocol import SpecserveError
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -58,9 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the first workload at concurrency 1 2")
     p.add_argument("--target", default=DEFAULT_TARGET, help="registry name or local directory")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model; 'none' for no draft")
-    p.add_argument("--heads", default="default",
-                   help="Medusa heads for the target's medusa rows (default: $SPECSERVE_HOME/heads/<target>-medusa, "
-                        "from `make heads`; 'none' to skip them)")
+    p.add_argument("--heads", nargs="+", default=["default"], metavar="DIR",
+                   help="heads for the target's medusa, hydra and redrafter rows, one directory per method (each "
+                        "records its method); default: $SPECSERVE_HOME/heads/<target>-<method> for every method "
+                        "trained there (`make heads`, `specserve train-heads`); 'none' to skip them")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--workloads", nargs="+", choices=workloads.WORKLOADS, help="default: code chat")
     p.add_argument("--prompts", type=int, help=f"prompts per workload (default {FULL['prompts']})")
@@ -262,7 +264,8 @@ def _load_in_process(args, lib_systems, stop_ids, doc, bar) -> library.InProcess
     heads = _heads(args)
 
     def load():
-        pair = load_pair(args.target, args.draft, heads=heads, dtype=args.dtype)
+        pair = load_pair(args.target, args.draft, dtype=args.dtype)
+        pair.add_heads(heads.values())
         return pair, SpeculativeDecoder(pair.verifier(), pair.proposer(), tokenizer=pair.tokenizer,
                                         eos_token_ids=stop_ids, method="none", max_context=pair.max_context)
 
@@ -277,7 +280,7 @@ def _load_in_process(args, lib_systems, stop_ids, doc, bar) -> library.InProcess
         doc["notes"].append(f"specserve's loader alone would stop at {sorted(pair.eos_token_ids)}; every system "
                             f"here stops at {stop_ids}.")
     doc["memory"] = memory_per_token(pair, args.dtype)
-    if pair.heads is not None:
+    if pair.heads_by_method:
         note = _trained_on_note(doc["setup"]["workloads"])
         if note:
             doc["notes"].append(note)
@@ -389,7 +392,8 @@ def _service_mode(args, svc_systems, encoded, out, bar, phases) -> list[dict]:
 
         manifest = str(out / "serve-config.yaml")
         # registry names as they are: the pools resolve them, with the registry's EOS ids
-        config = service.serve_config(args.target, args.draft, args.dtype, args.port, heads=_heads(args))
+        config = service.serve_config(args.target, args.draft, args.dtype, args.port,
+                                      heads=_heads(args).get("medusa"))
         Path(manifest).write_text(yaml.safe_dump(config, sort_keys=False))
     url = args.url or f"http://127.0.0.1:{service.manifest_port(manifest)}"
     runs = service.run_service(svc_systems, encoded, manifest=None if args.url else manifest, url=url.rstrip("/"),
@@ -404,15 +408,25 @@ def _describe(workload: workloads.Workload) -> dict:
     return {"name": workload.name, "source": workload.source, "prompts": [p.id for p in workload.prompts]}
 
 
-def _heads(args: argparse.Namespace) -> str | None:
-    """The heads directory for the medusa rows, or None when there are none (they then report
-    "cannot run" with the command that trains them)."""
-    from specserve.heads import find_heads
+def _heads(args: argparse.Namespace) -> dict[str, str]:
+    """Method -> heads directory for the head rows (medusa, hydra, redrafter); a method with
+    none reports "cannot run" with the command that trains them. A directory named that holds
+    no heads is refused."""
+    from specserve.heads import HEAD_METHODS, find_heads, heads_method
 
-    if args.heads in (None, "", "none"):
-        return None
-    directory = find_heads(args.target, args.heads)
-    return str(directory) if directory is not None else None
+    names = [args.heads] if isinstance(args.heads, str) else list(args.heads)
+    if names in ([], ["none"], [""]):
+        return {}
+    if names == ["default"]:
+        found = {method: find_heads(args.target, "default", method) for method in HEAD_METHODS}
+        return {method: str(d) for method, d in found.items() if d is not None}
+    out = {}
+    for name in names:
+        directory = find_heads(args.target, name)
+        if directory is None:
+            raise SpecserveError(f"--heads {name}: no heads there (no config.json)")
+        out[heads_method(directory)] = str(directory)
+    return out
 
 
 def _local_dir(ref: str | None) -> str | None:
