@@ -36,7 +36,6 @@ one GPU vLLM uses Ray's executor inside the replica's placement group (placement
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import math
 import time
@@ -367,5 +366,4 @@ async def greedy_reference(engine: VllmEngine, prompt_ids: list[int], max_tokens
     out = None
     async for out in engine.llm.generate({"prompt_token_ids": prompt_ids}, params, f"reference-{next(engine._calls)}"):
         pass
-    await asyncio.sleep(0)
     return list(out.outputs[0].token_ids)

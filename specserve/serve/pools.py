@@ -85,7 +85,7 @@ class _Pool:
 
 def _as_engine(built, pool_args: dict[str, Any], role: str, speculation: dict[str, Any] | None):
     """An injected engine, or a bare TorchWorker wrapped in the torch engine."""
-    if hasattr(built, "info") and hasattr(built, "release") and not hasattr(built, "forward_passes"):
+    if hasattr(built, "info"):  # engines answer info(); workers do not
         return built
     from specserve.engine.torch_engine import TorchEngine
 
