@@ -87,6 +87,7 @@ def vllm_engine():
     engine = VllmEngine(smol_pool_args())
     yield engine
     engine.shutdown()
+    run(asyncio.sleep(0.1))  # let its output handler see the shutdown before the loop closes
 
 
 def run(coroutine):
@@ -187,6 +188,7 @@ def vllm_draft(vllm_engine):
     engine = VllmEngine(smol_pool_args(), role="draft")
     yield engine
     engine.shutdown()
+    run(asyncio.sleep(0.1))
 
 
 @pytest.mark.vllm
@@ -233,6 +235,36 @@ def test_a_vllm_draft_sends_the_processed_distribution_it_sampled_from(vllm_draf
     assert again.tree == proposal.tree  # the round's seed makes the draft reproducible
     loose = run(vllm_draft.propose(ProposeRequest("q", prompt, 3, SamplingParams(temperature=0.8), seed=5)))
     assert loose.law == "deterministic"  # outside the exact regime: the greedy chain (exact for any target)
+
+
+@pytest.mark.vllm
+def test_sampled_rounds_in_the_exact_regime_are_distributed_as_the_target(vllm_engine, vllm_draft):
+    """A distribution test on the engines' own outputs: the draft's q (vLLM, processed) and the
+    target's rows (vLLM, top-20 rebuilt); each trial draws the draft token from q and accepts.
+    The first token's empirical distribution approaches the target's processed distribution."""
+    from specserve.protocol import SAMPLED, ProposeRequest
+    from specserve.sampling import LazyTargetProbs, densify, generator_for
+
+    params = SamplingParams(temperature=1.2, top_k=10)
+    prompt = [504, 3458, 282, 4649, 314, 253, 1378, 28, 1669]
+    proposal = run(vllm_draft.propose(ProposeRequest("dist", prompt, 1, params, seed=3)))
+    # The draft is the target's own model, so q would equal p: score the target after another
+    # context (the last token changed) so that p and q differ, as a real draft's would.
+    context = prompt[:-1] + [11]
+    out = run(vllm_engine._score("dist", context + list(proposal.tree.tokens), read_cache=False))
+    logits = dense_logits(vllm_engine._rows(out, len(context)), vllm_engine.vocab_size)
+    p = LazyTargetProbs(logits, params).dense()[0]
+    q = densify(proposal.dists, logits.shape[-1])[0]
+    assert 0.5 * float((q - p).abs().sum()) > 0.2  # far apart: acceptance alone cannot explain the result
+    n, gen = 3000, generator_for(7)
+    counts = torch.zeros_like(p)
+    for trial in range(n):
+        draft = TokenTree.chain([int(torch.multinomial(q, 1, generator=gen))])
+        # the first token depends only on row 0 (p) and q; row 1 (after the draft) only on the bonus
+        result = accept(VerifyRequest("dist", prompt, params, trial, draft, SAMPLED, proposal.dists), logits)
+        counts[result.tokens[0]] += 1
+    total_variation = 0.5 * float((counts / n - p).abs().sum())
+    assert total_variation < 0.05, (total_variation, 0.5 * float((q - p).abs().sum()))
 
 
 # ---- through Ray Serve: a vLLM target pool behind the router ---------------------------------
