@@ -116,38 +116,17 @@ class HydraHead(nn.Module):
         return self.blocks(self.skip(x) + self.act(self.linear(x)))
 
 
-class HydraHeads(nn.Module):
-    """K path-conditioned heads over the target's last hidden state.
-
-    `lm_head_weight` [vocab, hidden]: the target's lm_head (its `token_map` rows become the
-    frozen shared projection); `embedding_weight` [vocab, hidden]: the target's input
-    embedding table, kept by reference (never copied, moved or saved: it is the target's).
-    """
-
-    lm_heads = None  # the projection is always the target's shared lm_head (the trainer asks)
+class HydraHeads(files.TiedHeads):
+    """K path-conditioned heads over the target's last hidden state, on the target's lm_head
+    and input embedding (`files.TiedHeads`)."""
 
     def __init__(self, config: HydraConfig, lm_head_weight: torch.Tensor, embedding_weight: torch.Tensor,
                  token_map: torch.Tensor | None = None):
-        super().__init__()
-        expected = (config.vocab_size, config.hidden_size)
-        for name, weight in (("lm_head", lm_head_weight), ("input embedding", embedding_weight)):
-            if tuple(weight.shape) != expected:
-                raise SpecserveError(f"the target's {name} is {tuple(weight.shape)}; these Hydra heads need "
-                                     f"{expected}: were they trained for another model?")
-        token_map = (torch.arange(config.vocab_size) if token_map is None else token_map).long()
-        if config.head_vocab_size is None:
-            config.head_vocab_size = len(token_map)
-        if len(token_map) != config.head_vocab_size:
-            raise SpecserveError(f"token_map has {len(token_map)} ids, the config says {config.head_vocab_size}")
-        self.config = config
+        super().__init__(config, lm_head_weight, embedding_weight, token_map, "Hydra")
         self.heads = nn.ModuleList(HydraHead(config.hidden_size, i, config.num_layers)
                                    for i in range(config.num_heads))
         self.prefix = (PrefixAttention(config.hidden_size, config.prefix_window, config.prefix_heads)
                        if config.prefix_window else None)
-        self.register_buffer("token_map", token_map, persistent=False)
-        self.register_buffer("shared_lm_head", lm_head_weight.detach()[token_map.to(lm_head_weight.device)].clone()
-                             .to(torch.float32), persistent=False)
-        self.embedding = embedding_weight.detach()  # a plain attribute: `.to()` leaves the target's table alone
 
     @property
     def context_window(self) -> int:
@@ -164,17 +143,6 @@ class HydraHeads(nn.Module):
             raise SpecserveError("these Hydra heads attend over the prefix: pass the last hidden states")
         states, valid = context
         return self.prefix(hidden, states.to(hidden.dtype), valid)
-
-    def projection(self, head: int = 0) -> torch.Tensor:
-        """[head_vocab, hidden]: the shared vocabulary projection."""
-        return self.shared_lm_head
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [...] -> their input embeddings [..., hidden], RMS-normalised, in the heads'
-        dtype and on their device."""
-        weight = self.heads[0].linear.weight
-        e = F.embedding(ids.to(self.embedding.device), self.embedding).to(device=weight.device, dtype=torch.float32)
-        return (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)).to(weight.dtype)
 
     def head_features(self, index: int, base: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
         """Head `index` before the projection. base [N, H] (from `base`); path [N, index + 1],
@@ -204,9 +172,6 @@ class HydraHeads(nn.Module):
         """[K, B, head_vocab] logits, teacher-forced (see `features`)."""
         out = self.features(hidden, path, context)
         return out @ self.projection().to(out.dtype).T
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
 
     def save(self, directory: str | Path) -> Path:
         return files.save_heads(self, directory, WEIGHTS_FILE)

@@ -38,7 +38,6 @@ from torch import nn
 from specserve.heads import files
 from specserve.heads.hydra import HydraHead
 from specserve.heads.medusa import check_head_sizes
-from specserve.protocol import SpecserveError
 
 WEIGHTS_FILE = "redrafter.safetensors"
 
@@ -57,49 +56,19 @@ class ReDrafterConfig:
         check_head_sizes("ReDrafter", self)
 
 
-class ReDrafter(nn.Module):
-    """The recurrent drafter over the target's last hidden state.
+class ReDrafter(files.TiedHeads):
+    """The recurrent drafter over the target's last hidden state, on the target's lm_head and
+    input embedding (`files.TiedHeads`)."""
 
-    `lm_head_weight` [vocab, hidden]: the target's lm_head (its `token_map` rows become the
-    frozen projection); `embedding_weight` [vocab, hidden]: the target's input embedding table,
-    kept by reference (never copied, moved or saved: it is the target's).
-    """
-
-    lm_heads = None  # the projection is always the target's shared lm_head (the trainer asks)
+    context_window = 0  # reads h_t alone, never past hidden states
 
     def __init__(self, config: ReDrafterConfig, lm_head_weight: torch.Tensor, embedding_weight: torch.Tensor,
                  token_map: torch.Tensor | None = None):
-        super().__init__()
-        expected = (config.vocab_size, config.hidden_size)
-        for name, weight in (("lm_head", lm_head_weight), ("input embedding", embedding_weight)):
-            if tuple(weight.shape) != expected:
-                raise SpecserveError(f"the target's {name} is {tuple(weight.shape)}; this ReDrafter needs "
-                                     f"{expected}: was it trained for another model?")
-        token_map = (torch.arange(config.vocab_size) if token_map is None else token_map).long()
-        if config.head_vocab_size is None:
-            config.head_vocab_size = len(token_map)
-        if len(token_map) != config.head_vocab_size:
-            raise SpecserveError(f"token_map has {len(token_map)} ids, the config says {config.head_vocab_size}")
-        self.config = config
+        super().__init__(config, lm_head_weight, embedding_weight, token_map, "ReDrafter")
         size = config.hidden_size
         self.rnn_w = nn.Linear(size, size, bias=True)  # W·e(x) (+ the cell's bias)
         self.rnn_u = nn.Linear(size, size, bias=False)  # U·s
         self.head = HydraHead(size, 0, config.num_layers)  # [h ; s] -> hidden
-        self.register_buffer("token_map", token_map, persistent=False)
-        self.register_buffer("shared_lm_head", lm_head_weight.detach()[token_map.to(lm_head_weight.device)].clone()
-                             .to(torch.float32), persistent=False)
-        self.embedding = embedding_weight.detach()  # a plain attribute: `.to()` leaves the target's table alone
-
-    def projection(self, head: int = 0) -> torch.Tensor:
-        """[head_vocab, hidden]: the shared vocabulary projection."""
-        return self.shared_lm_head
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [...] -> their input embeddings [..., hidden], RMS-normalised (so they enter at the
-        scale of the normed hidden state), in the drafter's dtype and on its device."""
-        weight = self.rnn_w.weight
-        e = F.embedding(ids.to(self.embedding.device), self.embedding).to(device=weight.device, dtype=torch.float32)
-        return (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)).to(weight.dtype)
 
     def initial_state(self, rows: int) -> torch.Tensor:
         """s_0 for `rows` drafts: zeros [rows, hidden]."""
@@ -134,9 +103,6 @@ class ReDrafter(nn.Module):
         """[K, B, head_vocab] logits, teacher-forced (see `features`)."""
         out = self.features(hidden, path)
         return out @ self.projection().to(out.dtype).T
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
 
     def save(self, directory: str | Path) -> Path:
         return files.save_heads(self, directory, WEIGHTS_FILE)
