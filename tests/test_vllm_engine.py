@@ -364,3 +364,7 @@ def test_native_mode_serves_greedy_exactly_through_the_same_api(native_app, vllm
     assert "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks) == want
     refused = complete(native_app, {"prompt": "Hello", "temperature": 0.8, "top_k": 5})
     assert refused.status_code == 400 and "native" in refused.json()["error"]["message"]
+    from ray import serve
+
+    counters = serve.get_deployment_handle("TargetPool", "native").stats.remote().result()["native"]
+    assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0, counters  # vLLM speculated

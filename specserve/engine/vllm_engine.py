@@ -340,9 +340,12 @@ class VllmEngine:
         return False  # vLLM owns its prefix cache; a finished round holds nothing of the request
 
     async def stats(self) -> dict:
-        return {"engine": "vllm", "rounds": self.rounds, "scored_tokens": self.scored_tokens,
-                "computed_tokens": self.computed_tokens, "last_computed_tokens": self.last_computed,
-                "rescored_rounds": self.rescored, "busy_s": round(self._busy_s, 3), "requests": self.in_flight}
+        stats = {"engine": "vllm", "rounds": self.rounds, "scored_tokens": self.scored_tokens,
+                 "computed_tokens": self.computed_tokens, "last_computed_tokens": self.last_computed,
+                 "rescored_rounds": self.rescored, "busy_s": round(self._busy_s, 3), "requests": self.in_flight}
+        if self.native is not None:
+            stats["native"] = native_counters()
+        return stats
 
     def load(self) -> PoolLoad:
         return self._load
@@ -356,6 +359,16 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+
+
+def native_counters() -> dict[str, int]:
+    """vLLM's speculative decoding counters in this process (num_drafts, num_draft_tokens,
+    num_accepted_tokens), from the metrics AsyncLLM's front end keeps; {} where there are none."""
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    prefix, names = "vllm:spec_decode_", ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    return {m.name[len(prefix):]: int(m.value) for m in get_metrics_snapshot()
+            if m.name.startswith(prefix) and m.name[len(prefix):] in names and hasattr(m, "value")}
 
 
 async def greedy_reference(engine: VllmEngine, prompt_ids: list[int], max_tokens: int) -> list[int]:
