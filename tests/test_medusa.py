@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import empirical_pairs, hf_greedy, make_medusa_decoder, tiny_heads, tiny_model
+from conftest import empirical_pairs, make_medusa_decoder, tiny_heads, tiny_model
 from specserve.protocol import (
     DETERMINISTIC, SAMPLED, Proposal, ProposeRequest, SamplingParams, Speculation, SparseDist, SpecserveError,
     TokenTree, TreeSpec, VerifyRequest,
 )
 from specserve.sampling import generator_for
-from test_decoder import SMALL_VOCAB, assert_converges, tv
+from test_decoder import SMALL_VOCAB, tv
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26]]
 SHAPES = {
@@ -160,7 +160,8 @@ def test_a_held_proposal_is_cut_to_the_rounds_depth():
     assert cut.tree == TokenTree((1, 2, 3), (-1, 0, -1)) and cut.dists.ids.tolist() == [[0], [1], [2]]
 
 
-# ---- exactness end to end ---------------------------------------------------------------
+# ---- exactness end to end (every head method: test_co_located.py) ------------------------
+
 
 def exact_second_and_third_tokens(model, prompt, params) -> torch.Tensor:
     """p(t2, t3 | prompt), t1 summed out, by enumeration: [V * V]. Heads propose from the
@@ -183,46 +184,6 @@ def empirical_second_and_third_tokens(decoder, prompt, params, n, seed_base) -> 
     for o in outs:
         counts[o.token_ids[1] * SMALL_VOCAB + o.token_ids[2]] += 1
     return counts / n
-
-
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_greedy_medusa_output_equals_target_alone(arch, shape):
-    target = tiny_model(arch, seed=11)
-    decoder = make_medusa_decoder(target, tiny_heads(target, noise=0.02), **SHAPES[shape])
-    outs = decoder.generate(PROMPTS, SamplingParams(max_tokens=24))  # four requests share each pass
-    for prompt, out in zip(PROMPTS, outs):
-        assert out.token_ids == hf_greedy(target, prompt, 24)
-    stats = decoder.last_report.stats
-    assert stats.num_accepted_tokens > 0  # drafts were accepted, so tree paths and compaction ran
-    if shape != "chain":
-        assert sum(stats.num_accepted_tokens_per_rank[1:]) > 0  # and so were second-ranked candidates
-
-
-def test_a_co_located_round_is_one_target_pass_for_the_whole_batch():
-    target = tiny_model("qwen2", seed=11)
-    decoder = make_medusa_decoder(target, **SHAPES["static"])
-    worker = decoder.verifier.worker
-    before = worker.forward_passes
-    outs = decoder.generate(PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True))
-    rounds = max(o.stats.target_steps for o in outs)  # all requests step together; all stop at 20
-    assert worker.forward_passes - before == rounds
-    assert decoder.last_report.stats.mean_accepted_length > 1.0
-
-
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0, max_tokens=4),
-    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=4),
-], ids=["t1", "t0.7-topk5-topp0.9"])
-def test_sampled_medusa_trees_follow_the_target_distribution(params):
-    target = tiny_model("qwen2", seed=5, vocab_size=SMALL_VOCAB)
-    prompt = [1, 2, 3]
-    exact = exact_second_and_third_tokens(target, prompt, params)
-    tree = TreeSpec(shape=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1)))  # siblings at both levels
-    decoder = make_medusa_decoder(target, tiny_heads(target, num_heads=2, noise=0.3), shape="tree", tree=tree)
-    assert_converges(lambda n: empirical_second_and_third_tokens(decoder, prompt, params, n, seed_base=n), exact)
-    stats = decoder.last_report.stats
-    assert stats.num_draft_tokens > 0 and sum(stats.num_accepted_tokens_per_rank[1:]) > 0
 
 
 def test_typical_acceptance_is_lossy_and_labelled():

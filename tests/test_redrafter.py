@@ -8,11 +8,10 @@ import json
 import pytest
 import torch
 
-from conftest import hf_greedy, make_redrafter_decoder, tiny_heads, tiny_model, tiny_redrafter
+from conftest import tiny_heads, tiny_model, tiny_redrafter
 from specserve.protocol import DETERMINISTIC, ProposeRequest, SamplingParams, SpecserveError, TokenTree, TreeSpec
 from specserve.trees import merge_beams
-from test_decoder import SMALL_VOCAB, assert_converges
-from test_medusa import PROMPTS, SHAPES, empirical_second_and_third_tokens, exact_second_and_third_tokens
+from test_medusa import SHAPES
 
 # ---- the drafter --------------------------------------------------------------------------
 
@@ -165,51 +164,6 @@ def test_beams_below_min_score_are_cut_and_the_budget_holds():
     [empty] = ReDrafterProposer(drafter).propose_from_hidden(
         [ProposeRequest("r", [3], 3, SamplingParams(), 0, strict)], hidden)
     assert len(empty.tree) == 0
-
-
-# ---- exactness end to end ---------------------------------------------------------------
-
-
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_greedy_redrafter_output_equals_target_alone(arch, shape):
-    target = tiny_model(arch, seed=11)
-    decoder = make_redrafter_decoder(target, tiny_redrafter(target, noise=0.02), **SHAPES[shape])
-    outs = decoder.generate(PROMPTS, SamplingParams(max_tokens=24))  # four requests share each pass
-    for prompt, out in zip(PROMPTS, outs):
-        assert out.token_ids == hf_greedy(target, prompt, 24)
-    stats = decoder.last_report.stats
-    assert stats.num_accepted_tokens > 0  # drafts were accepted, so tree paths and compaction ran
-    if shape != "chain":
-        assert sum(stats.num_accepted_tokens_per_rank[1:]) > 0  # and so were second-ranked candidates
-    assert outs[0].speculation["proposer"] == "redrafter"
-
-
-def test_a_redrafter_round_is_one_target_pass_for_the_whole_batch():
-    target = tiny_model("qwen2", seed=11)
-    decoder = make_redrafter_decoder(target, **SHAPES["dynamic"])
-    worker = decoder.verifier.worker
-    before = worker.forward_passes
-    outs = decoder.generate(PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True))
-    rounds = max(o.stats.target_steps for o in outs)
-    assert worker.forward_passes - before == rounds
-    assert decoder.last_report.stats.mean_accepted_length > 1.0
-
-
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0, max_tokens=4),
-    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=4),
-], ids=["t1", "t0.7-topk5-topp0.9"])
-def test_sampled_redrafter_beams_follow_the_target_distribution(params):
-    """Beams are chosen, not drawn: verified as point masses, the output is the target's."""
-    target = tiny_model("qwen2", seed=5, vocab_size=SMALL_VOCAB)
-    prompt = [1, 2, 3]
-    exact = exact_second_and_third_tokens(target, prompt, params)
-    tree = TreeSpec(budget=8, depth=2, width=4, min_score=0.0)  # 4 beams of 2: siblings at both levels
-    decoder = make_redrafter_decoder(target, tiny_redrafter(target, num_heads=2, noise=0.3), shape="tree", tree=tree)
-    assert_converges(lambda n: empirical_second_and_third_tokens(decoder, prompt, params, n, seed_base=n), exact)
-    stats = decoder.last_report.stats
-    assert stats.num_draft_tokens > 0 and sum(stats.num_accepted_tokens_per_rank[1:]) > 0
 
 
 # ---- files and wiring ---------------------------------------------------------------------
