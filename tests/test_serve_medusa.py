@@ -175,7 +175,8 @@ def test_bad_speculation_gets_a_400(medusa_app, base, model, speculation, fragme
 @pytest.fixture(scope="session", params=["hydra", "redrafter"])
 def path_heads_app(request, cluster, reference, tmp_path_factory):
     """An app serving SmolLM2 with untrained `request.param` heads built here (greedy output is
-    the target's whatever the heads propose): (method, its pool's handle, its base URL)."""
+    the target's whatever the heads propose): (method, its pool's handle, its base URL),
+    deleted after its tests."""
     from ray import serve
 
     from conftest import tiny_hydra_heads, tiny_redrafter
@@ -192,7 +193,10 @@ def path_heads_app(request, cluster, reference, tmp_path_factory):
         "speculation": {"proposer": method, "shape": "tree", "tree": TREE, "policy": "fixed"},
         "router": {"max_ongoing_requests": 8, "max_queued_requests": 8},
     }), name=method, route_prefix=f"/{method}")
-    return method, serve.get_deployment_handle("CoLocatedPool", method), f"{BASE}/{method}"
+    yield method, serve.get_deployment_handle("CoLocatedPool", method), f"{BASE}/{method}"
+    # The session cluster's CPUs hold one such app at a time: the next method's pool would wait
+    # for this one's CPUs forever.
+    serve.delete(method)
 
 
 def test_path_heads_completions_and_chat_equal_the_target_alone(path_heads_app, reference):
