@@ -1,8 +1,9 @@
-"""Command line: ``specserve models list|pull`` and ``specserve generate``."""
+"""Command line: ``specserve models list|pull``, ``specserve generate`` and ``specserve chat``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
@@ -202,6 +203,52 @@ def add_bench_parser(subparsers) -> None:
     p.set_defaults(func=_cmd_bench)
 
 
+# --------------------------------------------------------------------------- chat
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    import urllib.error
+
+    import grpc
+
+    from .chat import chat, grpc_stream, http_error_message, http_stream, prompts
+
+    reply, models_of = http_stream(args.http) if args.http else grpc_stream(args.grpc, args.application)
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.seed is not None:
+        params["seed"] = args.seed
+    if args.speculation:
+        params["speculation"] = json.loads(args.speculation)
+    try:
+        model = args.model or models_of()[0]
+        chat(reply, model, params, iter(args.message) if args.message else prompts())
+    except grpc.RpcError as exc:
+        print(f"specserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return EXIT_ERROR
+    except urllib.error.HTTPError as exc:
+        print(f"specserve: error: HTTP {exc.code}: {http_error_message(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def add_chat_parser(subparsers) -> None:
+    p = subparsers.add_parser("chat", help="chat with a running specserve over gRPC (default) or HTTP",
+                              description="Streams each reply. Without --message, reads turns from stdin "
+                              "until an empty line.")
+    transport = p.add_mutually_exclusive_group()
+    transport.add_argument("--grpc", default="localhost:9000", metavar="HOST:PORT",
+                           help="Serve's gRPC proxy (default localhost:9000)")
+    transport.add_argument("--http", metavar="URL", help="the HTTP API instead, e.g. http://localhost:8000")
+    p.add_argument("--application", help="gRPC: the Serve application's name (when the cluster runs several)")
+    p.add_argument("--model", help="default: the first the server lists")
+    p.add_argument("--message", action="append", help="a user turn (repeatable); no stdin")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--speculation", help='the per-request override as JSON, e.g. \'{"proposer": "none"}\'')
+    p.set_defaults(func=_cmd_chat)
+
+
 # --------------------------------------------------------------------------- train-heads
 
 
@@ -294,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_parser(subparsers)
     add_generate_parser(subparsers)
     add_bench_parser(subparsers)
+    add_chat_parser(subparsers)
     add_train_heads_parser(subparsers)
     return parser
 

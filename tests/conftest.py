@@ -12,6 +12,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 SMOL = "smollm2-135m-instruct"
 PORT = 8765
 BASE = f"http://127.0.0.1:{PORT}"
+GRPC_PORT = 9765  # Serve's gRPC proxy (specserve/grpc/specserve.proto)
+METRICS_PORT = 9766  # the node's metrics export port (Prometheus text at /metrics)
 
 
 def tiny_model(arch: str = "qwen2", *, seed: int = 0, vocab_size: int = 97, layers: int = 2,
@@ -199,11 +201,50 @@ def cluster():
 
     # replicas push their autoscaling metrics every second (default 10 s): test_serve_autoscaling
     os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)
+    from specserve.grpc import grpc_options
+
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT}, grpc_options=grpc_options(GRPC_PORT))
     yield
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def app(cluster, reference, tmp_path_factory):
+    """The tier's main app, `specserve` at / (HTTP) and on the gRPC proxy: SmolLM2 target pool of
+    two replicas (killing one leaves another) and a draft pool of SmolLM2's first 27 layers (same
+    vocabulary, agrees often but not always). Returns the pools' handles (target, draft)."""
+    import copy
+    import shutil
+
+    from ray import serve
+
+    from specserve import models
+    from specserve.serve import build_app
+
+    _, model, _, _ = reference
+    draft_dir = tmp_path_factory.mktemp("draft")
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:27]
+    draft.config.num_hidden_layers = 27
+    draft.save_pretrained(draft_dir)
+    source = models.model_dir(SMOL)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(source / name, draft_dir / name)
+    pool = {"dtype": "float32", "torch_threads": 1, "ray_actor_options": {"num_cpus": 1},
+            "health_check_period_s": 2, "health_check_timeout_s": 30}
+    serve.run(build_app({
+        "model_name": "smol",
+        "target": {"model": SMOL, "num_replicas": 2, **pool},
+        "draft": {"model": str(draft_dir), "num_replicas": 1, **pool},
+        # fixed: these tests need every round to draft (failover, batching); test_serve_medusa
+        # covers the load-aware policy
+        "speculation": {"k": 3, "policy": "fixed", "draft_min_confidence": 0.0, "draft_timeout_s": 3,
+                        "draft_retry_after_s": 0.5},
+        "router": {"max_ongoing_requests": 8, "max_queued_requests": 4, "target_retry_timeout_s": 60},
+    }), name="specserve", route_prefix="/")
+    return serve.get_deployment_handle("TargetPool", "specserve"), serve.get_deployment_handle("DraftPool", "specserve")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Integration: a real Ray cluster serving SmolLM2-135M (fp32) through specserve's pools and router,
-called with the official `openai` client and raw HTTP. One cluster and one app for the session.
+called with the official `openai` client and raw HTTP. One cluster and one app for the session
+(conftest's `app`, which tests/test_grpc.py calls over gRPC too).
 
 The target pool has two replicas so that killing one leaves another; the draft is SmolLM2's
 first 27 layers (same vocabulary, agrees often but not always).
@@ -8,7 +9,6 @@ first 27 layers (same vocabulary, agrees often but not always).
 import asyncio
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -16,43 +16,9 @@ import time
 import httpx
 import pytest
 
-from conftest import BASE, SMOL
-from specserve import models
+from conftest import BASE
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
-
-
-
-@pytest.fixture(scope="session")
-def app(cluster, reference, tmp_path_factory):
-    from ray import serve
-
-    from specserve.serve import build_app
-
-    _, model, _, _ = reference
-    draft_dir = tmp_path_factory.mktemp("draft")
-    import copy
-
-    draft = copy.deepcopy(model)
-    draft.model.layers = draft.model.layers[:27]
-    draft.config.num_hidden_layers = 27
-    draft.save_pretrained(draft_dir)
-    source = models.model_dir(SMOL)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(source / name, draft_dir / name)
-    pool = {"dtype": "float32", "torch_threads": 1, "ray_actor_options": {"num_cpus": 1},
-            "health_check_period_s": 2, "health_check_timeout_s": 30}
-    serve.run(build_app({
-        "model_name": "smol",
-        "target": {"model": SMOL, "num_replicas": 2, **pool},
-        "draft": {"model": str(draft_dir), "num_replicas": 1, **pool},
-        # fixed: these tests need every round to draft (failover, batching); test_serve_medusa
-        # covers the load-aware policy
-        "speculation": {"k": 3, "policy": "fixed", "draft_min_confidence": 0.0, "draft_timeout_s": 3,
-                        "draft_retry_after_s": 0.5},
-        "router": {"max_ongoing_requests": 8, "max_queued_requests": 4, "target_retry_timeout_s": 60},
-    }), name="specserve", route_prefix="/")
-    return serve.get_deployment_handle("TargetPool", "specserve"), serve.get_deployment_handle("DraftPool", "specserve")
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from pathlib import Path
 from specserve.benchmarks.http import run_level, start_server, stop_server, wait_healthy
 from specserve.benchmarks.systems import CANNOT_RUN, FAILED, K, SERVED, ServiceRun, System
 from specserve.benchmarks.workloads import Workload
+from specserve.grpc import grpc_options
 
 Encoded = list[tuple[Workload, list[list[int]]]]
 
@@ -38,6 +39,7 @@ def serve_config(target: str, draft: str | None, dtype: str, port: int, heads: s
     if heads:
         args["target"]["heads"] = heads
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
+            "grpc_options": grpc_options(),
             "applications": [{"name": "specserve-bench", "route_prefix": "/",
                               "import_path": "specserve.serve:build_app", "args": args}]}
 

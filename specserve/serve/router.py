@@ -36,6 +36,10 @@ from specserve.protocol import (
 from specserve.proposers.ngram import NgramProposer
 from specserve.request_state import RequestState
 from specserve.serve.config import AppArgs
+from specserve.serve.grpc_api import GrpcApi
+from specserve.serve.generation import (
+    Delta, ModelNotFound, NotReady, OutputCursor, TextStream, failure, validation_message,
+)
 from specserve.serve.openai_api import (
     ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage,
 )
@@ -47,31 +51,21 @@ RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 app = FastAPI(title="specserve", description="Exact speculative decoding, OpenAI-compatible API")
 
 
-class ModelNotFound(Exception):
-    pass
-
-
 def _error(status: int, message: str, **kw) -> JSONResponse:
     return JSONResponse(error_body(message, **kw), status_code=status)
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError):
-    problems = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-    return _error(400, "; ".join(problems) or "invalid request")
+    return _error(400, validation_message(exc.errors()))
 
 
 @app.exception_handler(SpecserveError)
-async def _specserve_error(request: Request, exc: SpecserveError):
-    return _error(400, str(exc))
-
-
 @app.exception_handler(ModelNotFound)
-async def _model_not_found(request: Request, exc: ModelNotFound):
-    return _error(404, str(exc), code="model_not_found", param="model")
+@app.exception_handler(NotReady)
+async def _refused(request: Request, exc: Exception):
+    f = failure(exc)
+    return _error(f.http_status, f.message, type_=f.type_, code=f.code, param=f.param)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -95,28 +89,9 @@ class ClosingStreamingResponse(StreamingResponse):
             self.on_close()
 
 
-class TextStream:
-    """Turns the growing output into text deltas that never end inside a multi-byte character
-    and never show the beginning of a stop sequence that may still complete."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.sent = 0
-
-    def delta(self, text: str, final: bool) -> str:
-        end = len(text)
-        if not final:
-            end = len(text.rstrip("\ufffd")) - self.hold
-        if end <= self.sent:
-            return ""
-        out = text[self.sent:end]
-        self.sent = end
-        return out
-
-
 @serve.deployment
 @serve.ingress(app)
-class Router:
+class Router(GrpcApi):
     def __init__(self, target: DeploymentHandle, draft: DeploymentHandle | None, args: dict):
         self.args = AppArgs.model_validate(args)
         self.spec = self.args.speculation  # pool settings: draft timeouts
@@ -230,9 +205,29 @@ class Router:
             self.load.observe_draft(proposal.load.batch_tokens, proposal.load.step_s)
         self.load.observe_overhead(overhead_s, draft_call=draft_call)
 
-    # ---- requests ----------------------------------------------------------------------
+    # ---- the transport-agnostic core: start a request, then stream its deltas -------------
 
-    async def _start(self, body, prompt_ids: list[int]) -> RequestState:
+    async def generate(self, state: RequestState) -> AsyncIterator[Delta]:
+        """Run the request's rounds; each yields the tokens it emitted and the text they make
+        safe to show (stop strings held back, then cut). The caches are freed however it ends."""
+        cursor = OutputCursor(TextStream(state.params.stop))
+        try:
+            async for _ in self._rounds(state):
+                ids, text = cursor.advance(state.output_ids, self._text(state), final=state.finished)
+                if state.finished:
+                    yield Delta(ids, text, state.finish_reason, self._usage(state))
+                else:
+                    yield Delta(ids, text)
+        finally:
+            self._release(state)
+
+    def _usage(self, state: RequestState) -> dict:
+        return usage(len(state.prompt_ids), len(state.output_ids), state.usage_stats())
+
+    async def start(self, body, prompt_ids: list[int]) -> RequestState:
+        """A validated request: `body` (an OpenAI request body, or one a gRPC request became)
+        gives the model, the sampling params and the speculation override. Raises what
+        `failure` maps: ModelNotFound, SpecserveError."""
         if body.model != self.args.served_name:
             raise ModelNotFound(f"model {body.model!r} is not served here; this server serves {self.args.served_name!r}")
         info = await self._model_info()
@@ -269,14 +264,25 @@ class Router:
     def _text(self, state: RequestState) -> str:
         return state.stop_text if state.stop_text is not None else self.codec.decode(state.output_ids)
 
-    @app.get("/healthz")
-    async def healthz(self):
-        """200 once the pools answer (their model is loaded), 503 while they start."""
+    async def ready(self) -> None:
+        """Returns once the pools answer (their model is loaded); raises NotReady while they start."""
         if self._info is None:
             try:
                 await asyncio.wait_for(self._model_info(), timeout=2.0)
             except Exception as exc:  # not loaded yet, or refused (e.g. a vocabulary mismatch)
-                return _error(503, f"not ready: {type(exc).__name__}: {exc}", type_="server_error")
+                raise NotReady(f"not ready: {type(exc).__name__}: {exc}") from None
+
+    def prompt_ids(self, body) -> list[int]:
+        """The prompt's token ids: a chat's messages through the chat template, or a completion's
+        text (or the ids it gave)."""
+        if isinstance(body, ChatCompletionRequest):
+            return self.codec.encode_chat(body.template_messages())
+        return body.prompt if isinstance(body.prompt, list) else self.codec.encode(body.prompt)
+
+    @app.get("/healthz")
+    async def healthz(self):
+        """200 once the pools answer (their model is loaded), 503 while they start."""
+        await self.ready()
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -286,13 +292,12 @@ class Router:
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
-        prompt_ids = body.prompt if isinstance(body.prompt, list) else self.codec.encode(body.prompt)
-        state = await self._start(body, prompt_ids)
+        state = await self.start(body, self.prompt_ids(body))
         return await self._respond(body, state, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
-        state = await self._start(body, self.codec.encode_chat(body.template_messages()))
+        state = await self.start(body, self.prompt_ids(body))
         return await self._respond(body, state, chat=True)
 
     async def _respond(self, body, state: RequestState, *, chat: bool):
@@ -301,18 +306,15 @@ class Router:
         if body.stream:
             return ClosingStreamingResponse(self._sse(body, state, chat, rid, created),
                                             on_close=lambda: self._release(state), media_type="text/event-stream")
-        try:
-            async for _ in self._rounds(state):
-                pass
-        finally:
-            self._release(state)
+        async for _ in self.generate(state):
+            pass
         text = self._text(state)
         choice = {"index": 0, "finish_reason": state.finish_reason, "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": self.args.served_name, "choices": [choice],
-            "usage": usage(len(state.prompt_ids), len(state.output_ids), state.usage_stats()),
+            "usage": self._usage(state),
         }
 
     async def _sse(self, body, state: RequestState, chat: bool, rid: str, created: int) -> AsyncIterator[str]:
@@ -327,23 +329,19 @@ class Router:
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created,
                                           "model": self.args.served_name, "choices": [choice]}) + "\n\n"
 
-        stream = TextStream(state.params.stop)
         if chat:
             yield chunk(None, None, first=True)
         try:
-            async for _ in self._rounds(state):
-                delta = stream.delta(self._text(state), final=state.finished)
-                if delta and not state.finished:
-                    yield chunk(delta, None)
-                elif state.finished:
-                    if delta:
-                        yield chunk(delta, None)
-                    yield chunk(None, state.finish_reason)
+            async for delta in self.generate(state):
+                if delta.text:
+                    yield chunk(delta.text, None)
+                if delta.finish_reason is not None:
+                    yield chunk(None, delta.finish_reason)
         except SpecserveError as exc:  # headers are sent: report in-band, as OpenAI does
             yield "data: " + json.dumps(error_body(str(exc))) + "\n\n"
         if body.stream_options is not None and body.stream_options.include_usage:
             yield "data: " + json.dumps({
                 "id": rid, "object": obj, "created": created, "model": self.args.served_name, "choices": [],
-                "usage": usage(len(state.prompt_ids), len(state.output_ids), state.usage_stats()),
+                "usage": self._usage(state),
             }) + "\n\n"
         yield "data: [DONE]\n\n"

@@ -1,0 +1,85 @@
+"""`specserve chat`: talk to a running server over gRPC (default) or HTTP, streaming the reply.
+
+Both transports take the same conversation and sampling parameters and yield text deltas, so
+the chat loop does not care which one carries them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+
+StreamReply = Callable[[str, list[dict], dict], Iterator[str]]  # (model, messages, params) -> text deltas
+
+
+def grpc_stream(target: str, application: str | None) -> tuple[StreamReply, Callable[[], list[str]]]:
+    from specserve.client import Client
+
+    client = Client(target, application=application)
+
+    def reply(model: str, messages: list[dict], params: dict) -> Iterator[str]:
+        for delta in client.chat_stream(model, messages, **params):
+            yield delta.text
+
+    return reply, client.models
+
+
+def http_stream(base: str) -> tuple[StreamReply, Callable[[], list[str]]]:
+    """The OpenAI-compatible API with the standard library (SSE lines `data: {...}`)."""
+    base = base.rstrip("/")
+
+    def reply(model: str, messages: list[dict], params: dict) -> Iterator[str]:
+        body = json.dumps({"model": model, "messages": messages, "stream": True, **params}).encode()
+        request = urllib.request.Request(f"{base}/v1/chat/completions", body, {"content-type": "application/json"})
+        with urllib.request.urlopen(request) as response:
+            for line in response:
+                data = line.decode().strip().removeprefix("data: ")
+                if not data or data == "[DONE]":
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    raise RuntimeError(event["error"]["message"])
+                for choice in event["choices"]:
+                    yield choice["delta"].get("content") or ""
+
+    def models() -> list[str]:
+        with urllib.request.urlopen(f"{base}/v1/models") as response:
+            return [m["id"] for m in json.load(response)["data"]]
+
+    return reply, models
+
+
+def chat(reply: StreamReply, model: str, params: dict, turns: Iterator[str], out=sys.stdout) -> list[dict]:
+    """Each user turn is answered in the conversation so far; returns the conversation."""
+    messages: list[dict] = []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        parts = []
+        for text in reply(model, messages, params):
+            parts.append(text)
+            out.write(text)
+            out.flush()
+        out.write("\n")
+        messages.append({"role": "assistant", "content": "".join(parts)})
+    return messages
+
+
+def prompts(stdin=sys.stdin) -> Iterator[str]:
+    """Interactive turns until an empty line or end of input."""
+    while True:
+        if stdin.isatty():
+            print("> ", end="", flush=True)
+        line = stdin.readline()
+        if not line.strip():
+            return
+        yield line.strip()
+
+
+def http_error_message(exc: urllib.error.HTTPError) -> str:
+    try:
+        return json.load(exc)["error"]["message"]
+    except Exception:
+        return str(exc)

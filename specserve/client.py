@@ -1,0 +1,152 @@
+"""specserve's gRPC client, sync and async: a thin layer over the generated stub that builds
+requests from keyword arguments and names the Serve application in the call metadata.
+
+    from specserve.client import Client
+    with Client("localhost:9000") as client:
+        reply = client.generate("smol", "The capital of France is", max_tokens=16, temperature=0)
+        for delta in client.chat_stream("smol", [{"role": "user", "content": "Hi"}]):
+            print(delta.text, end="")
+
+Errors arrive as grpc.RpcError with the server's status code (INVALID_ARGUMENT, NOT_FOUND,
+RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+
+from specserve.grpc import specserve_pb2 as pb
+from specserve.grpc import specserve_pb2_grpc as pb_grpc
+
+_SAMPLING = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "ignore_eos")
+_TREE_SHAPE = "shape"
+
+
+def sampling(**kwargs) -> pb.SamplingParams:
+    """SamplingParams from keyword arguments; None leaves a field unset (the server's default)."""
+    unknown = set(kwargs) - set(_SAMPLING)
+    if unknown:
+        raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
+    fields = {k: v for k, v in kwargs.items() if v is not None}
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = [fields["stop"]]
+    return pb.SamplingParams(**fields)
+
+
+def speculation(override: dict | None) -> pb.SpeculationOverride | None:
+    """The HTTP API's `speculation` object as a SpeculationOverride, e.g. {"proposer": "none"}
+    or {"shape": "tree", "tree": {"budget": 8, "shape": [[0], [1]]}}."""
+    if override is None:
+        return None
+    fields = dict(override)
+    tree = fields.pop("tree", None)
+    message = pb.SpeculationOverride(**fields)
+    if tree is not None:
+        tree = dict(tree)
+        paths = [pb.TreePath(ranks=p) for p in tree.pop(_TREE_SHAPE, None) or []]
+        message.tree.CopyFrom(pb.TreeOverride(shape=paths, **tree))
+    return message
+
+
+def generate_request(model: str, prompt: str | list[int], spec: dict | None = None, **params) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(model=model, sampling=sampling(**params), speculation=speculation(spec))
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_token_ids.extend(prompt)
+    return request
+
+
+def chat_request(model: str, messages: list[dict], spec: dict | None = None, **params) -> pb.ChatRequest:
+    return pb.ChatRequest(model=model, messages=[pb.ChatMessage(**m) for m in messages],
+                          sampling=sampling(**params), speculation=speculation(spec))
+
+
+def _metadata(application: str | None) -> tuple:
+    return (("application", application),) if application else ()
+
+
+class Client:
+    """Blocking client. `application`: the Serve app's name, needed when a cluster runs several.
+    `timeout`: seconds per call (the gRPC deadline), None for none."""
+
+    def __init__(self, target: str = "localhost:9000", *, application: str | None = None,
+                 timeout: float | None = None):
+        self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.SpecserveStub(self.channel)
+        self.call = {"metadata": _metadata(application), "timeout": timeout}
+
+    def generate(self, model: str, prompt: str | list[int], *, speculation: dict | None = None,
+                 **params) -> pb.GenerateResponse:
+        return self.stub.Generate(generate_request(model, prompt, speculation, **params), **self.call)
+
+    def generate_stream(self, model: str, prompt: str | list[int], *, speculation: dict | None = None,
+                        **params) -> Iterator[pb.GenerateResponse]:
+        """The deltas; the returned iterator is also the call (`.cancel()` ends it)."""
+        return self.stub.GenerateStream(generate_request(model, prompt, speculation, **params), **self.call)
+
+    def chat(self, model: str, messages: list[dict], *, speculation: dict | None = None,
+             **params) -> pb.GenerateResponse:
+        return self.stub.Chat(chat_request(model, messages, speculation, **params), **self.call)
+
+    def chat_stream(self, model: str, messages: list[dict], *, speculation: dict | None = None,
+                    **params) -> Iterator[pb.GenerateResponse]:
+        return self.stub.ChatStream(chat_request(model, messages, speculation, **params), **self.call)
+
+    def models(self) -> list[str]:
+        return list(self.stub.Models(pb.ModelsRequest(), **self.call).models)
+
+    def health(self) -> str:
+        return self.stub.Health(pb.HealthRequest(), **self.call).status
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The same calls for asyncio (grpc.aio); streams are async iterators."""
+
+    def __init__(self, target: str = "localhost:9000", *, application: str | None = None,
+                 timeout: float | None = None):
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = pb_grpc.SpecserveStub(self.channel)
+        self.call = {"metadata": _metadata(application), "timeout": timeout}
+
+    async def generate(self, model: str, prompt: str | list[int], *, speculation: dict | None = None,
+                       **params) -> pb.GenerateResponse:
+        return await self.stub.Generate(generate_request(model, prompt, speculation, **params), **self.call)
+
+    def generate_stream(self, model: str, prompt: str | list[int], *, speculation: dict | None = None,
+                        **params) -> AsyncIterator[pb.GenerateResponse]:
+        return self.stub.GenerateStream(generate_request(model, prompt, speculation, **params), **self.call)
+
+    async def chat(self, model: str, messages: list[dict], *, speculation: dict | None = None,
+                   **params) -> pb.GenerateResponse:
+        return await self.stub.Chat(chat_request(model, messages, speculation, **params), **self.call)
+
+    def chat_stream(self, model: str, messages: list[dict], *, speculation: dict | None = None,
+                    **params) -> AsyncIterator[pb.GenerateResponse]:
+        return self.stub.ChatStream(chat_request(model, messages, speculation, **params), **self.call)
+
+    async def models(self) -> list[str]:
+        return list((await self.stub.Models(pb.ModelsRequest(), **self.call)).models)
+
+    async def health(self) -> str:
+        return (await self.stub.Health(pb.HealthRequest(), **self.call)).status
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
