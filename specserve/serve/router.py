@@ -37,6 +37,7 @@ from specserve.proposers.ngram import NgramProposer
 from specserve.request_state import RequestState
 from specserve.serve.config import AppArgs
 from specserve.serve.grpc_api import GrpcApi
+from specserve.serve.metrics import RouterMetrics, SpecCounts
 from specserve.serve.generation import (
     Delta, ModelNotFound, NotReady, OutputCursor, TextStream, failure, validation_message,
 )
@@ -109,6 +110,7 @@ class Router(GrpcApi):
         # fallback while the draft pool is down.
         self.ngram = NgramProposer(max_n=self.spec.ngram.max_n, min_n=self.spec.ngram.min_n)
         self._background: set[asyncio.Task] = set()  # asyncio keeps only weak references to tasks
+        self.metrics = RouterMetrics()
 
     # ---- pool plumbing -------------------------------------------------------------------
 
@@ -191,7 +193,9 @@ class Router(GrpcApi):
                 overhead = max(0.0, time.perf_counter() - started - compute)
                 state.stats.round_trip_overhead_s += overhead
                 self._observe_load(result, proposal, overhead, draft_call)
+                counts = SpecCounts.of(state.stats)
                 emitted = state.commit(result, verify.draft)
+                self.metrics.round(state.speculation.proposer, counts, SpecCounts.of(state.stats))
                 state.finish_at_stop_string(self.codec.decode)
                 yield emitted
         finally:
@@ -201,8 +205,10 @@ class Router(GrpcApi):
                       draft_call: bool) -> None:
         if result.load is not None:
             self.load.observe_target(result.load.batch_size, result.load.batch_tokens, result.load.step_s)
+            self.metrics.pool_load("target", result.load)
         if proposal is not None and proposal.load is not None:
             self.load.observe_draft(proposal.load.batch_tokens, proposal.load.step_s)
+            self.metrics.pool_load("draft", proposal.load)
         self.load.observe_overhead(overhead_s, draft_call=draft_call)
 
     # ---- the transport-agnostic core: start a request, then stream its deltas -------------
@@ -211,10 +217,13 @@ class Router(GrpcApi):
         """Run the request's rounds; each yields the tokens it emitted and the text they make
         safe to show (stop strings held back, then cut). The caches are freed however it ends."""
         cursor = OutputCursor(TextStream(state.params.stop))
+        timer = self.metrics.timer()
         try:
             async for _ in self._rounds(state):
                 ids, text = cursor.advance(state.output_ids, self._text(state), final=state.finished)
+                timer.emitted(len(ids), final=state.finished)
                 if state.finished:
+                    self.metrics.finished(len(state.prompt_ids), len(state.output_ids), state.finish_reason)
                     yield Delta(ids, text, state.finish_reason, self._usage(state))
                 else:
                     yield Delta(ids, text)
