@@ -161,3 +161,32 @@ def test_cli_chat_over_grpc_and_http_gives_the_same_reply(app, capsys):
     assert capsys.readouterr().out == over_grpc and over_grpc.count("\n") >= 2  # a line per reply at least
     assert main(["chat", "--grpc", TARGET, "--application", APP, "--model", "nope", "--message", "x"]) == 1
     assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_health_is_unavailable_while_the_pools_start(app):
+    """An app whose target replica cannot be placed (it asks for more CPUs than the cluster has)
+    stays starting for good: its router is up, its pool never answers."""
+    from ray import serve
+    from ray.serve.api import _run
+
+    from conftest import SMOL
+    from specserve.client import Client
+    from specserve.serve import build_app
+
+    # serve.run waits for the app to be running, which this one never is
+    _run(build_app({"model_name": "starting", "target": {"model": SMOL, "ray_actor_options": {"num_cpus": 64}},
+                    "speculation": {"proposer": "none"}}),
+         name="starting", route_prefix="/starting", _blocking=False)
+    try:
+        with Client(TARGET, application="starting", timeout=30) as client:
+            def unavailable_from_the_router():
+                try:
+                    client.health()
+                except grpc.RpcError as err:  # before the router is up, the proxy answers for the app
+                    return err.code() == grpc.StatusCode.UNAVAILABLE and err.details().startswith("not ready")
+                return False
+
+            assert wait_for(unavailable_from_the_router, timeout=90, interval=1)
+        assert httpx.get(f"{BASE}/starting/healthz", timeout=30).status_code == 503
+    finally:
+        serve.delete("starting")
