@@ -10,10 +10,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 # The Ray Serve integration tier: one local cluster for the session, SmolLM2-135M in fp32.
 SMOL = "smollm2-135m-instruct"
-PORT = 8765
+# Fixed ports; SPECSERVE_TEST_PORT moves all three (a second test session on the same machine).
+PORT = int(os.environ.get("SPECSERVE_TEST_PORT", 8765))
 BASE = f"http://127.0.0.1:{PORT}"
-GRPC_PORT = 9765  # Serve's gRPC proxy (specserve/grpc/specserve.proto)
-METRICS_PORT = 9766  # the node's metrics export port (Prometheus text at /metrics)
+GRPC_PORT = PORT + 1000  # Serve's gRPC proxy (specserve/grpc/specserve.proto)
+METRICS_PORT = PORT + 1001  # the node's metrics export port (Prometheus text at /metrics)
 
 
 def tiny_model(arch: str = "qwen2", *, seed: int = 0, vocab_size: int = 97, layers: int = 2,
