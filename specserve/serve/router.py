@@ -1,4 +1,7 @@
-"""The Router deployment: the HTTP ingress that owns every request and drives its rounds.
+"""The Router deployment: the HTTP and gRPC ingress that owns every request and drives its rounds.
+
+`start` validates a request and `generate` streams its deltas; the OpenAI HTTP routes below and
+the gRPC methods (GrpcApi) only format them. Metrics are recorded per round (RouterMetrics).
 
 Each request runs its own round loop (propose -> verify -> commit -> stream); the pools batch
 the calls of concurrent requests into shared forward passes. The router is torch-free.
@@ -36,11 +39,11 @@ from specserve.protocol import (
 from specserve.proposers.ngram import NgramProposer
 from specserve.request_state import RequestState
 from specserve.serve.config import AppArgs
-from specserve.serve.grpc_api import GrpcApi
-from specserve.serve.metrics import RouterMetrics, SpecCounts
 from specserve.serve.generation import (
     Delta, ModelNotFound, NotReady, OutputCursor, TextStream, failure, validation_message,
 )
+from specserve.serve.grpc_api import GrpcApi
+from specserve.serve.metrics import RouterMetrics, SpecCounts
 from specserve.serve.openai_api import (
     ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage,
 )
