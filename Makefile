@@ -8,7 +8,7 @@ DEFAULT_MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # Ray 2.60 turns token auth on by default; a local single-user cluster does not need it.
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup models heads serve serve-vllm generate test test-vllm test-fast bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-methods bench-adaptive bench-quick bench-full vllm-env clean
+.PHONY: setup models heads serve serve-vllm generate test test-vllm test-fast bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-methods bench-adaptive bench-quick bench-full vllm-env kuberay clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -133,6 +133,12 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_PIP) --no-deps -e .
 	$(VLLM_PY) -P -c "import vllm, ray.serve; from vllm import LLM; import specserve.engine.vllm_engine"
 	touch $@
+
+# KubeRay: regenerate deploy/{llama70b,cpu}/rayservice.yaml and deploy/monitoring/ from
+# manifests/*.yaml, then validate them offline (the KubeRay CRD schema, ServeDeploySchema, specserve's args).
+kuberay: setup
+	$(VENV)/bin/specserve kuberay render
+	$(VENV)/bin/specserve kuberay check deploy/llama70b/rayservice.yaml deploy/cpu/rayservice.yaml
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

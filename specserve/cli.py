@@ -330,6 +330,62 @@ def add_train_heads_parser(subparsers) -> None:
     p.set_defaults(func=_cmd_train_heads)
 
 
+# --------------------------------------------------------------------------- kuberay
+
+
+def _cmd_kuberay_render(args: argparse.Namespace) -> int:
+    from . import kuberay
+
+    if args.check:
+        stale = kuberay.stale_files()
+        for rel in stale:
+            print(f"stale: deploy/{rel} (run `specserve kuberay render`)", file=sys.stderr)
+        return EXIT_ERROR if stale else EXIT_OK
+    for path in kuberay.write_all():
+        print(f"wrote {path.relative_to(kuberay.REPO)}")
+    return EXIT_OK
+
+
+def _cmd_kuberay_check(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from . import kuberay
+
+    errors = [e for name in args.files for e in kuberay.check_file(Path(name))]
+    for line in errors:
+        print(line, file=sys.stderr)
+    if not errors:
+        print(f"ok: {len(args.files)} file(s) valid against the KubeRay {kuberay.KUBERAY_VERSION} CRD, "
+              "ServeDeploySchema and specserve's args")
+    return EXIT_ERROR if errors else EXIT_OK
+
+
+def _cmd_kuberay_crd(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from . import kuberay
+
+    out = kuberay.write_crd_schema(Path(args.crd).read_text())
+    print(f"wrote {out}")
+    return EXIT_OK
+
+
+def add_kuberay_parser(subparsers) -> None:
+    p = subparsers.add_parser("kuberay", help="KubeRay RayServices under deploy/, generated from manifests/*.yaml")
+    sub = p.add_subparsers(dest="kuberay_command", metavar="{render,check,crd}", required=True)
+    render = sub.add_parser("render", help="write deploy/*/rayservice.yaml and deploy/monitoring/ from the manifests")
+    render.add_argument("--check", action="store_true", help="write nothing; exit 1 when a committed file is stale")
+    render.set_defaults(func=_cmd_kuberay_render)
+    chk = sub.add_parser("check", help="validate RayService files offline: the CRD schema (unknown fields "
+                         "rejected), then serveConfigV2 against ServeDeploySchema and specserve's args")
+    chk.add_argument("files", nargs="+", metavar="FILE")
+    chk.set_defaults(func=_cmd_kuberay_check)
+    crd = sub.add_parser("crd", help="vendor the RayService v1 schema from a KubeRay CRD file "
+                         "(ray.io_rayservices.yaml) into deploy/crds/")
+    crd.add_argument("crd", metavar="CRD_YAML")
+    crd.set_defaults(func=_cmd_kuberay_crd)
+
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -343,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(subparsers)
     add_chat_parser(subparsers)
     add_train_heads_parser(subparsers)
+    add_kuberay_parser(subparsers)
     return parser
 
 
