@@ -341,8 +341,13 @@ def _cmd_kuberay_render(args: argparse.Namespace) -> int:
         for rel in stale:
             print(f"stale: deploy/{rel} (run `specserve kuberay render`)", file=sys.stderr)
         return EXIT_ERROR if stale else EXIT_OK
-    for path in kuberay.write_all():
-        print(f"wrote {path.relative_to(kuberay.REPO)}")
+    from pathlib import Path
+
+    if args.registry and Path(args.out).resolve() == kuberay.DEPLOY:
+        raise SpecserveError("--registry: give --out too; deploy/ holds the files rendered with the plain image "
+                             "names (tests/test_deploy.py compares them)")
+    for path in kuberay.write_all(Path(args.out), registry=args.registry or ""):
+        print(f"wrote {path}")
     return EXIT_OK
 
 
@@ -371,10 +376,16 @@ def _cmd_kuberay_crd(args: argparse.Namespace) -> int:
 
 
 def add_kuberay_parser(subparsers) -> None:
+    from .kuberay import DEPLOY
+
     p = subparsers.add_parser("kuberay", help="KubeRay RayServices under deploy/, generated from manifests/*.yaml")
     sub = p.add_subparsers(dest="kuberay_command", metavar="{render,check,crd}", required=True)
     render = sub.add_parser("render", help="write deploy/*/rayservice.yaml and deploy/monitoring/ from the manifests")
     render.add_argument("--check", action="store_true", help="write nothing; exit 1 when a committed file is stale")
+    render.add_argument("--registry", help="image registry prefix, e.g. registry.example.com/ml: the pods run "
+                        "REGISTRY/specserve:<tag> (needs --out)")
+    render.add_argument("--out", default=str(DEPLOY),
+                        help="folder to write into (default: the repository's deploy/)")
     render.set_defaults(func=_cmd_kuberay_render)
     chk = sub.add_parser("check", help="validate RayService files offline: the CRD schema (unknown fields "
                          "rejected), then serveConfigV2 against ServeDeploySchema and specserve's args")

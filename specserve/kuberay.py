@@ -21,7 +21,7 @@ import copy
 import gzip
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -360,23 +360,26 @@ def header(source: str) -> str:
             "# this file is stale).\n")
 
 
-def render_layout(key: str, manifests: Path = MANIFESTS) -> str:
+def render_layout(key: str, manifests: Path = MANIFESTS, registry: str = "") -> str:
+    """The layout's RayService file; `registry` prefixes the image (`registry/specserve:<tag>`)."""
     layout = LAYOUTS[key]
+    if registry:
+        layout = replace(layout, image=f"{registry.rstrip('/')}/{layout.image}")
     manifest = yaml.safe_load((manifests / layout.manifest).read_text())
     source = f"manifests/{layout.manifest}\n# and LAYOUTS[{key!r}] in specserve/kuberay.py"
     return header(source) + dump_yaml(rayservice(layout, manifest))
 
 
-def render_all(manifests: Path = MANIFESTS) -> dict[str, str]:
+def render_all(manifests: Path = MANIFESTS, registry: str = "") -> dict[str, str]:
     """Every generated file under deploy/, by its path there."""
-    files = {layout.out: render_layout(key, manifests) for key, layout in LAYOUTS.items()}
+    files = {layout.out: render_layout(key, manifests, registry) for key, layout in LAYOUTS.items()}
     files[MONITOR_OUT] = header("podmonitor() in specserve/kuberay.py") + dump_yaml(podmonitor())
     return files
 
 
-def write_all(deploy: Path = DEPLOY, manifests: Path = MANIFESTS) -> list[Path]:
+def write_all(deploy: Path = DEPLOY, manifests: Path = MANIFESTS, registry: str = "") -> list[Path]:
     written = []
-    for rel, text in render_all(manifests).items():
+    for rel, text in render_all(manifests, registry).items():
         path = deploy / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

@@ -383,3 +383,28 @@ def test_the_schema_is_extracted_from_a_crd_file(tmp_path):
     assert kuberay.load_crd_schema(out) == {"type": "object", "properties": {"a": {"type": "string"}}}
     with pytest.raises(kuberay.DeployError, match="no version 'v2'"):
         kuberay.extract_crd_schema(crd, "v2")
+
+
+def test_render_with_a_registry_writes_elsewhere(tmp_path, capsys):
+    assert main(["kuberay", "render", "--registry", "registry.example.com/ml/", "--out", str(tmp_path)]) == 0
+    obj = load(tmp_path / kuberay.LAYOUTS["llama70b"].out)
+    assert {c["image"] for c in containers(obj)} == {"registry.example.com/ml/" + kuberay.image("gpu")}
+    assert kuberay.check_file(tmp_path / kuberay.LAYOUTS["llama70b"].out) == []
+    assert main(["kuberay", "render", "--registry", "registry.example.com/ml"]) == 2  # not over deploy/
+    assert "give --out" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the image
+
+
+def test_the_dockerfile_builds_the_images_the_rayservices_run():
+    dockerfile = (kuberay.DEPLOY / "Dockerfile").read_text()
+    assert f"FROM rayproject/ray:{kuberay.RAY_VERSION}-py311-${{VARIANT}}" in dockerfile
+    assert "ARG VARIANT=gpu" in dockerfile and "vllm==0.32.0" in dockerfile
+    assert f"'ray[serve]=={kuberay.RAY_VERSION}'" in dockerfile
+    for variant in ("gpu", "cpu"):
+        assert f"-t {kuberay.image(variant)} ." in dockerfile
+    # credentials come from the Secret at run time, never from the build
+    assert "HF_TOKEN" not in dockerfile.replace("pods read HF_TOKEN from", "")
+    ignore = (kuberay.DEPLOY / "Dockerfile.dockerignore").read_text().split()
+    assert ignore[ignore.index("*"):] == ["*", "!pyproject.toml", "!README.md", "!specserve/", "**/__pycache__"]
