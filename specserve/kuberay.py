@@ -174,18 +174,23 @@ def pin_pool(pool_args: dict[str, Any], pool: str) -> dict[str, Any]:
     return pinned
 
 
-def serve_config(manifest: dict[str, Any], layout: Layout) -> dict[str, Any]:
+def only_app(manifest: dict[str, Any], source: str) -> dict[str, Any]:
+    """The manifest's one application: a layout sizes the cluster for one specserve app."""
+    apps = manifest.get("applications") or []
+    if len(apps) != 1:
+        raise DeployError(f"{source}: {len(apps)} applications; a layout sizes its cluster for exactly one")
+    if apps[0].get("import_path") != BUILD_APP:
+        raise DeployError(f"{source}: import_path {apps[0].get('import_path')!r} is not {BUILD_APP}")
+    return apps[0]
+
+
+def serve_config(manifest: dict[str, Any], gpu_pools: list[str]) -> dict[str, Any]:
     """The manifest as the cluster's Serve config (the changes the module docstring lists)."""
     config = copy.deepcopy(manifest)
     config.setdefault("http_options", {})["host"] = "0.0.0.0"
-    for app in config.get("applications", []):
-        if app.get("import_path") != BUILD_APP:
-            raise DeployError(f"application {app.get('name')!r}: import_path {app.get('import_path')!r} is not "
-                              f"{BUILD_APP}; only specserve apps are sized here")
-        for pool in layout.gpu_nodes:
-            if app["args"].get(pool) is None:
-                raise DeployError(f"{layout.manifest}: the layout has a {pool} GPU group but the app has no {pool} pool")
-            app["args"][pool] = pin_pool(app["args"][pool], pool)
+    args = config["applications"][0]["args"]
+    for pool in gpu_pools:
+        args[pool] = pin_pool(args[pool], pool)
     return config
 
 
@@ -196,28 +201,26 @@ def fits(node: Node, cpus: float, gpus: float) -> bool:
 def worker_groups(layout: Layout, deps: list[Deployment], ports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A group per GPU pool (one replica per node, GPUs per node from the pool), and the `cpu`
     group, whose min and max nodes hold the rest's min and max replicas by CPU."""
-    groups, on_cpu = [], []
-    for dep in deps:
-        if dep.gpus == 0:
-            on_cpu.append(dep)
-            continue
-        if dep.pool not in layout.gpu_nodes:
-            raise DeployError(f"{layout.manifest}: the {dep.pool} pool asks for {dep.gpus:g} GPUs per replica but "
-                              f"the layout has no GPU group for it")
-        node = Node(**{**layout.gpu_nodes[dep.pool].__dict__, "gpus": math.ceil(dep.gpus)})
+    gpu_deps = [d for d in deps if d.gpus]
+    on_cpu = [d for d in deps if not d.gpus]
+    if {d.pool for d in gpu_deps} != set(layout.gpu_nodes):
+        raise DeployError(f"{layout.manifest}: pools on GPUs {sorted(d.pool for d in gpu_deps)}, but the layout "
+                          f"has GPU groups for {sorted(layout.gpu_nodes)}; change the manifest or LAYOUTS")
+    groups = []
+    for dep in gpu_deps:
+        node = replace(layout.gpu_nodes[dep.pool], gpus=math.ceil(dep.gpus))
         if not fits(node, dep.cpus, dep.gpus):
             raise DeployError(f"{layout.manifest}: a {dep.pool} replica needs {dep.cpus:g} CPUs, more than its "
                               f"group's nodes have ({node.cpus})")
         groups.append(group_spec(layout, dep.pool, node, ports, dep.min_replicas, dep.max_replicas,
                                  ray_resources={slot_resource(dep.pool): "1"}))
-    if on_cpu:
-        for dep in on_cpu:
-            if not fits(layout.cpu_node, dep.cpus, 0):
-                raise DeployError(f"{layout.manifest}: a {dep.pool} replica needs {dep.cpus:g} CPUs, more than a "
-                                  f"cpu node has ({layout.cpu_node.cpus})")
-        low = math.ceil(sum(d.cpus * d.min_replicas for d in on_cpu) / layout.cpu_node.cpus)
-        high = math.ceil(sum(d.cpus * d.max_replicas for d in on_cpu) / layout.cpu_node.cpus)
-        groups.append(group_spec(layout, "cpu", layout.cpu_node, ports, max(low, 1), max(high, 1)))
+    for dep in on_cpu:
+        if not fits(layout.cpu_node, dep.cpus, 0):
+            raise DeployError(f"{layout.manifest}: a {dep.pool} replica needs {dep.cpus:g} CPUs, more than a "
+                              f"cpu node has ({layout.cpu_node.cpus})")
+    low = math.ceil(sum(d.cpus * d.min_replicas for d in on_cpu) / layout.cpu_node.cpus)
+    high = math.ceil(sum(d.cpus * d.max_replicas for d in on_cpu) / layout.cpu_node.cpus)
+    groups.append(group_spec(layout, "cpu", layout.cpu_node, ports, max(low, 1), max(high, 1)))
     return groups
 
 
@@ -286,10 +289,10 @@ def group_spec(layout: Layout, name: str, node: Node, ports: list[dict[str, Any]
 
 def rayservice(layout: Layout, manifest: dict[str, Any]) -> dict[str, Any]:
     """The layout's RayService object for `manifest` (a parsed Serve config file)."""
-    config = serve_config(manifest, layout)
+    deps = deployments(only_app(manifest, f"manifests/{layout.manifest}")["args"])
+    config = serve_config(manifest, [d.pool for d in deps if d.gpus])
     http_port = config["http_options"].get("port", 8000)
     grpc_port = (config.get("grpc_options") or {}).get("port", 9000)
-    deps = [d for app in config["applications"] for d in deployments(manifest_args(manifest, app["name"]))]
     groups = worker_groups(layout, deps, container_ports(http_port, grpc_port, head=False))
     head = {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0",
@@ -310,11 +313,6 @@ def rayservice(layout: Layout, manifest: dict[str, Any]) -> dict[str, Any]:
         "spec": {"serveConfigV2": f"# manifests/{layout.manifest}, for Kubernetes (specserve/kuberay.py)\n"
                                   + dump_yaml(config), "rayClusterConfig": cluster},
     }
-
-
-def manifest_args(manifest: dict[str, Any], app_name: str) -> dict[str, Any]:
-    """An app's args as the manifest gives them (the pinned copies add only a custom resource)."""
-    return next(app["args"] for app in manifest["applications"] if app["name"] == app_name)
 
 
 def podmonitor() -> dict[str, Any]:

@@ -119,6 +119,43 @@ def test_llama70b_layout_follows_its_manifest():
     assert kuberay.GPU not in by_name["cpu"]["template"]["spec"]["containers"][0]["resources"]["limits"]
 
 
+def replica_demand(args: dict) -> dict[str, float]:
+    """What one replica asks Ray for on one node: its bundles together (STRICT_PACK), else its actor."""
+    if args.get("placement_group_bundles"):
+        demand: dict[str, float] = {}
+        for bundle in args["placement_group_bundles"]:
+            for name, amount in bundle.items():
+                demand[name] = demand.get(name, 0) + amount
+        return demand
+    options = args.get("ray_actor_options", {})
+    return {"CPU": options.get("num_cpus", 1), "GPU": options.get("num_gpus", 0), **options.get("resources", {})}
+
+
+@pytest.mark.parametrize("key", RAYSERVICES)
+def test_rays_autoscaler_has_a_node_type_for_each_replica_and_only_the_right_one(key):
+    # Ray's own reading of the cluster spec (the KubeRay autoscaler's node types), no cluster needed
+    from ray.autoscaler._private.kuberay.autoscaling_config import _generate_available_node_types_from_ray_cr_spec
+
+    obj = load(RAYSERVICES[key])
+    node_types = _generate_available_node_types_from_ray_cr_spec(obj["spec"]["rayClusterConfig"])
+    head = node_types["headgroup"]["resources"]
+    assert head.get("CPU", 0) == 0 and head.get("GPU", 0) == 0
+    args = serve_config(obj)["applications"][0]["args"]
+    where = {}
+    for pool in ("target", "draft", "router"):
+        demand = replica_demand(args[pool])
+        where[pool] = {name for name, t in node_types.items()
+                       if all(t["resources"].get(r, 0) >= amount for r, amount in demand.items() if amount)}
+    if key == "llama70b":
+        assert where["target"] == {"target"} and where["draft"] == {"draft"}
+        assert node_types["target"]["resources"]["GPU"] == 4 and node_types["draft"]["resources"]["GPU"] == 1
+        assert "cpu" in where["router"]
+        for group in ("target", "draft"):
+            assert node_types[group]["resources"][kuberay.slot_resource(group)] == 1
+    else:
+        assert where == {"target": {"cpu"}, "draft": {"cpu"}, "router": {"cpu"}}
+
+
 @pytest.mark.parametrize("key", RAYSERVICES)
 def test_ports_credentials_and_image(key):
     obj = load(RAYSERVICES[key])
@@ -216,7 +253,8 @@ def test_an_unknown_field_is_refused_with_its_path(schema):
     assert error.startswith("spec.rayClusterConfig.headGroupSpec: ") and "'bogus' was unexpected" in error
 
     obj = llama70b()
-    obj["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "x"
+    container = obj["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0]
+    container["imagePullPolicyy"] = "x"
     [error] = kuberay.crd_errors(obj, schema)
     assert error.startswith("spec.rayClusterConfig.workerGroupSpecs[1].template.spec.containers[0]: ")
 
@@ -248,13 +286,15 @@ def test_quantities_are_int_or_string(schema):
     assert with_cpu_limit(8) == [] and with_cpu_limit("8") == [] and with_cpu_limit("500m") == []
     for bad in (8.5, "8 cores", True, None):
         [error] = with_cpu_limit(bad)
-        assert error.startswith("spec.rayClusterConfig.headGroupSpec.template.spec.containers[0].resources.limits.cpu: ")
+        assert error.startswith("spec.rayClusterConfig.headGroupSpec.template.spec.containers[0]"
+                                ".resources.limits.cpu: ")
 
 
 def test_strict_schema_closes_objects_unless_they_preserve_unknown_fields():
     strict = kuberay.strict_schema({"type": "object", "properties": {
         "closed": {"type": "object", "properties": {"a": {"type": "string"}}},
-        "open": {"type": "object", "properties": {"a": {"type": "string"}}, "x-kubernetes-preserve-unknown-fields": True},
+        "open": {"type": "object", "properties": {"a": {"type": "string"}},
+                 "x-kubernetes-preserve-unknown-fields": True},
         "map": {"type": "object", "additionalProperties": {"type": "string"}},
         "port": {"x-kubernetes-int-or-string": True},
         "maybe": {"type": "string", "nullable": True}}})
@@ -361,7 +401,18 @@ def test_the_generator_refuses_what_the_layout_cannot_hold():
 
     manifest = load(kuberay.MANIFESTS / "local.yaml")
     manifest["applications"][0]["args"]["draft"]["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1}
-    with pytest.raises(kuberay.DeployError, match="no GPU group for it"):
+    with pytest.raises(kuberay.DeployError, match=r"pools on GPUs \['draft'\], but the layout has GPU groups for \[\]"):
+        kuberay.rayservice(kuberay.LAYOUTS["cpu"], manifest)
+
+    def draft_on_cpu(args):
+        args["draft"]["ray_actor_options"] = {"num_cpus": 2}
+
+    with pytest.raises(kuberay.DeployError, match=r"pools on GPUs \['target'\], but the layout has GPU groups"):
+        render_llama70b_with(draft_on_cpu)
+
+    manifest = load(kuberay.MANIFESTS / "local.yaml")
+    manifest["applications"].append({**manifest["applications"][0], "name": "second"})
+    with pytest.raises(kuberay.DeployError, match="2 applications"):
         kuberay.rayservice(kuberay.LAYOUTS["cpu"], manifest)
 
 
