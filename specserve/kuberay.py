@@ -27,6 +27,8 @@ from typing import Any
 
 import yaml
 
+from specserve.protocol import SpecserveError
+
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 DEPLOY = REPO / "deploy"
@@ -51,7 +53,7 @@ POD_LABELS = {"app.kubernetes.io/part-of": "specserve"}  # what deploy/monitorin
 GPU = "nvidia.com/gpu"
 
 
-class DeployError(ValueError):
+class DeployError(SpecserveError):
     """A manifest that cannot become the layout's RayService, or a RayService that fails a check."""
 
 
@@ -201,23 +203,24 @@ def fits(node: Node, cpus: float, gpus: float) -> bool:
 def worker_groups(layout: Layout, deps: list[Deployment], ports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A group per GPU pool (one replica per node, GPUs per node from the pool), and the `cpu`
     group, whose min and max nodes hold the rest's min and max replicas by CPU."""
+    source = f"manifests/{layout.manifest}"
     gpu_deps = [d for d in deps if d.gpus]
     on_cpu = [d for d in deps if not d.gpus]
     if {d.pool for d in gpu_deps} != set(layout.gpu_nodes):
-        raise DeployError(f"{layout.manifest}: pools on GPUs {sorted(d.pool for d in gpu_deps)}, but the layout "
-                          f"has GPU groups for {sorted(layout.gpu_nodes)}; change the manifest or LAYOUTS")
+        raise DeployError(f"{source}: pools on GPUs {sorted(d.pool for d in gpu_deps)}, but the layout has GPU "
+                          f"groups for {sorted(layout.gpu_nodes)}; change the manifest or LAYOUTS")
     groups = []
     for dep in gpu_deps:
         node = replace(layout.gpu_nodes[dep.pool], gpus=math.ceil(dep.gpus))
         if not fits(node, dep.cpus, dep.gpus):
-            raise DeployError(f"{layout.manifest}: a {dep.pool} replica needs {dep.cpus:g} CPUs, more than its "
-                              f"group's nodes have ({node.cpus})")
+            raise DeployError(f"{source}: a {dep.pool} replica needs {dep.cpus:g} CPUs, more than its group's "
+                              f"nodes have ({node.cpus})")
         groups.append(group_spec(layout, dep.pool, node, ports, dep.min_replicas, dep.max_replicas,
                                  ray_resources={slot_resource(dep.pool): "1"}))
     for dep in on_cpu:
         if not fits(layout.cpu_node, dep.cpus, 0):
-            raise DeployError(f"{layout.manifest}: a {dep.pool} replica needs {dep.cpus:g} CPUs, more than a "
-                              f"cpu node has ({layout.cpu_node.cpus})")
+            raise DeployError(f"{source}: a {dep.pool} replica needs {dep.cpus:g} CPUs, more than a cpu node "
+                              f"has ({layout.cpu_node.cpus})")
     low = math.ceil(sum(d.cpus * d.min_replicas for d in on_cpu) / layout.cpu_node.cpus)
     high = math.ceil(sum(d.cpus * d.max_replicas for d in on_cpu) / layout.cpu_node.cpus)
     groups.append(group_spec(layout, "cpu", layout.cpu_node, ports, max(low, 1), max(high, 1)))
@@ -364,8 +367,13 @@ def render_layout(key: str, manifests: Path = MANIFESTS, registry: str = "") -> 
     if registry:
         layout = replace(layout, image=f"{registry.rstrip('/')}/{layout.image}")
     manifest = yaml.safe_load((manifests / layout.manifest).read_text())
+    obj = rayservice(layout, manifest)
+    errors = check(obj)  # never write a file the checks would refuse
+    if errors:
+        raise DeployError(f"the RayService from manifests/{layout.manifest} fails its checks:\n  "
+                          + "\n  ".join(errors))
     source = f"manifests/{layout.manifest}\n# and LAYOUTS[{key!r}] in specserve/kuberay.py"
-    return header(source) + dump_yaml(rayservice(layout, manifest))
+    return header(source) + dump_yaml(obj)
 
 
 def render_all(manifests: Path = MANIFESTS, registry: str = "") -> dict[str, str]:
@@ -443,13 +451,44 @@ def json_path(parts: Any) -> str:
     return path or "(top)"
 
 
+def list_key_errors(obj: Any, schema: dict[str, Any], path: tuple = ()) -> list[str]:
+    """Duplicates in lists the schema declares as maps or sets (`x-kubernetes-list-type`), which
+    the API server refuses and JSON Schema cannot say: two container ports 8000, two env HF_TOKEN."""
+    errors = []
+    if isinstance(obj, dict):
+        extra = schema.get("additionalProperties")
+        for key, value in obj.items():
+            sub = schema.get("properties", {}).get(key, extra if isinstance(extra, dict) else None)
+            if sub:
+                errors += list_key_errors(value, sub, (*path, key))
+    elif isinstance(obj, list):
+        items = schema.get("items", {})
+        kind, key_names = schema.get("x-kubernetes-list-type"), schema.get("x-kubernetes-list-map-keys", [])
+        defaults = {k: items.get("properties", {}).get(k, {}).get("default") for k in key_names}
+        seen: dict[str, int] = {}
+        for i, item in enumerate(obj):
+            if kind == "map" and isinstance(item, dict):
+                key = json.dumps({k: item.get(k, defaults[k]) for k in key_names}, sort_keys=True)
+            elif kind == "set":
+                key = json.dumps(item, sort_keys=True)
+            else:
+                key = None
+            if key is not None and key in seen:
+                errors.append(f"{json_path((*path, i))}: duplicate of {json_path((*path, seen[key]))} ({key})")
+            elif key is not None:
+                seen[key] = i
+            errors += list_key_errors(item, items, (*path, i))
+    return errors
+
+
 def crd_errors(obj: dict[str, Any], schema: dict[str, Any] | None = None) -> list[str]:
     """Where `obj` breaks the RayService CRD's schema, as 'path: message' lines (none when valid)."""
     from jsonschema import Draft7Validator
 
-    validator = Draft7Validator(strict_schema(schema if schema is not None else load_crd_schema()))
+    schema = schema if schema is not None else load_crd_schema()
+    validator = Draft7Validator(strict_schema(schema))
     errors = sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))
-    return [f"{json_path(e.absolute_path)}: {e.message}" for e in errors]
+    return [f"{json_path(e.absolute_path)}: {e.message}" for e in errors] + list_key_errors(obj, schema)
 
 
 def serve_config_errors(obj: dict[str, Any]) -> list[str]:

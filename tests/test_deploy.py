@@ -276,6 +276,25 @@ def test_a_wrong_type_or_value_is_refused_with_its_path(schema):
     assert len(errors) == 3
 
 
+def test_duplicate_keys_in_list_maps_are_refused(schema, tmp_path):
+    obj = llama70b()
+    head = obj["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    head["env"].append({"name": "HF_TOKEN", "value": "hf_literal"})
+    [error] = kuberay.crd_errors(obj, schema)
+    assert error.startswith("spec.rayClusterConfig.headGroupSpec.template.spec.containers[0].env[2]: duplicate of "
+                            "spec.rayClusterConfig.headGroupSpec.template.spec.containers[0].env[0]")
+
+    # a manifest whose HTTP port is the metrics export port renders two container ports 8080
+    manifest = load(kuberay.MANIFESTS / "local.yaml")
+    manifest["http_options"]["port"] = kuberay.METRICS_PORT
+    errors = kuberay.crd_errors(kuberay.rayservice(kuberay.LAYOUTS["cpu"], manifest), schema)
+    assert errors and all("ports[2]: duplicate of " in e and '"containerPort": 8080' in e for e in errors)
+    assert "protocol" in errors[0] and '"TCP"' in errors[0]  # the key's default counts
+    (tmp_path / "local.yaml").write_text(yaml.safe_dump(manifest))
+    with pytest.raises(kuberay.DeployError, match="fails its checks:\n  spec.rayClusterConfig"):
+        kuberay.render_layout("cpu", manifests=tmp_path)  # render refuses to write it
+
+
 def test_quantities_are_int_or_string(schema):
     def with_cpu_limit(value):
         obj = llama70b()
@@ -443,6 +462,16 @@ def test_render_with_a_registry_writes_elsewhere(tmp_path, capsys):
     assert kuberay.check_file(tmp_path / kuberay.LAYOUTS["llama70b"].out) == []
     assert main(["kuberay", "render", "--registry", "registry.example.com/ml"]) == 2  # not over deploy/
     assert "give --out" in capsys.readouterr().err
+
+
+def test_render_reports_a_manifest_it_cannot_lay_out(tmp_path, capsys, monkeypatch):
+    shutil.copytree(kuberay.MANIFESTS, tmp_path / "manifests")
+    path = tmp_path / "manifests" / "local.yaml"
+    path.write_text(path.read_text().replace("num_cpus: 1.0}", "num_cpus: 1.0, num_gpus: 1}"))
+    write_all = kuberay.write_all
+    monkeypatch.setattr(kuberay, "write_all", lambda out, registry: write_all(out, tmp_path / "manifests", registry))
+    assert main(["kuberay", "render", "--out", str(tmp_path / "deploy")]) == 2
+    assert "specserve: error: manifests/local.yaml: pools on GPUs ['target']" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- the image
