@@ -10,9 +10,10 @@ is stale. The serve config changes for Kubernetes only where it must:
   placement bundle, else in ray_actor_options). Without it a 1-GPU draft replica may land on a
   4-GPU target node and leave 3 GPUs no STRICT_PACK target replica can use.
 
-`specserve kuberay check FILE...` validates RayService files offline: against the KubeRay CRD's
-openAPIV3Schema (vendored in deploy/crds/) with unknown fields rejected, then the embedded
-serveConfigV2 against Ray's ServeDeploySchema and specserve's AppArgs.
+`specserve kuberay check FILE...` validates RayService files offline (render runs it too): against
+the KubeRay CRD's openAPIV3Schema (vendored in deploy/crds/) with unknown fields rejected and keyed
+lists free of duplicates, then the embedded serveConfigV2 against Ray's ServeDeploySchema (keys it
+would ignore refused) and specserve's AppArgs.
 """
 
 from __future__ import annotations

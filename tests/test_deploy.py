@@ -478,6 +478,11 @@ def test_render_reports_a_manifest_it_cannot_lay_out(tmp_path, capsys, monkeypat
 
 
 def test_the_dockerfile_builds_the_images_the_rayservices_run():
+    import tomllib
+
+    pyproject = tomllib.loads((kuberay.REPO / "pyproject.toml").read_text())["project"]
+    assert pyproject["version"] == kuberay.SPECSERVE_VERSION  # the image tag names the version
+    assert f"ray[serve]=={kuberay.RAY_VERSION}" in pyproject["dependencies"]
     dockerfile = (kuberay.DEPLOY / "Dockerfile").read_text()
     assert f"FROM rayproject/ray:{kuberay.RAY_VERSION}-py311-${{VARIANT}}" in dockerfile
     assert "ARG VARIANT=gpu" in dockerfile and "vllm==0.32.0" in dockerfile
