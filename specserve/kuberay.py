@@ -314,8 +314,12 @@ def rayservice(layout: Layout, manifest: dict[str, Any]) -> dict[str, Any]:
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
         "metadata": {"name": layout.name, "labels": {**POD_LABELS, "app.kubernetes.io/instance": layout.name}},
-        "spec": {"serveConfigV2": f"# manifests/{layout.manifest}, for Kubernetes (specserve/kuberay.py)\n"
-                                  + dump_yaml(config), "rayClusterConfig": cluster},
+        "spec": {
+            # With a proxy on every node, traffic goes to the workers' proxies and spares the head (GCS)
+            "excludeHeadPodFromServeSvc": config.get("proxy_location", "EveryNode") == "EveryNode",
+            "serveConfigV2": f"# manifests/{layout.manifest}, for Kubernetes (specserve/kuberay.py)\n"
+                             + dump_yaml(config),
+            "rayClusterConfig": cluster},
     }
 
 

@@ -91,6 +91,7 @@ def test_llama70b_layout_follows_its_manifest():
     assert set(by_name) == {"target", "draft", "cpu"}
     assert cluster["enableInTreeAutoscaling"] is True and cluster["autoscalerOptions"]["version"] == "v2"
     assert cluster["rayVersion"] == kuberay.RAY_VERSION
+    assert obj["spec"]["excludeHeadPodFromServeSvc"] is True  # proxies on every node: traffic to the workers
 
     head = cluster["headGroupSpec"]
     assert head["rayStartParams"]["num-gpus"] == "0" and head["rayStartParams"]["num-cpus"] == "0"
@@ -181,6 +182,7 @@ def test_the_cpu_layout_has_no_gpus_and_one_fixed_node():
     assert all(kuberay.GPU not in c["resources"]["limits"] for c in containers(obj))
     assert [(g["groupName"], g["minReplicas"], g["maxReplicas"]) for g in groups(obj).values()] == [("cpu", 1, 1)]
     assert "enableInTreeAutoscaling" not in obj["spec"]["rayClusterConfig"]  # nothing to scale
+    assert obj["spec"]["excludeHeadPodFromServeSvc"] is False  # proxy_location: HeadOnly
 
 
 def test_the_podmonitor_scrapes_the_port_every_ray_node_exports_metrics_on():
