@@ -4,7 +4,9 @@ manifests/*.yaml stay the one source of truth: `specserve kuberay render` turns 
 manifest into a RayService (ray.io/v1) under deploy/ whose `serveConfigV2` is that manifest, and
 whose worker groups are sized from its pools. tests/test_deploy.py fails when a committed file
 is stale. The serve config changes for Kubernetes only where it must:
-- `http_options.host` becomes 0.0.0.0: KubeRay's serve Service reaches the proxies on pod IPs;
+- `http_options.host` becomes 0.0.0.0: KubeRay's serve Service reaches the proxies on pod IPs
+  (Serve's gRPC proxy already listens on every interface, `[::]:port`; metrics are the nodes'
+  `--metrics-export-port`, a rayStartParam here, not Serve config);
 - each GPU pool is pinned to its own worker group: the group's nodes advertise one
   `specserve_<pool>_slot` resource and every replica of the pool asks for one (in its first
   placement bundle, else in ray_actor_options). Without it a 1-GPU draft replica may land on a
