@@ -1,24 +1,31 @@
 """`specserve chat`: talk to a running server over gRPC (default) or HTTP, streaming the reply.
 
 Both transports take the same conversation and sampling parameters and yield text deltas, so
-the chat loop does not care which one carries them.
+the chat loop does not care which one carries them. With SPECSERVE_API_KEY set, both send it
+(`Authorization: Bearer <key>`) for deployments with an API key.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 
 StreamReply = Callable[[str, list[dict], dict], Iterator[str]]  # (model, messages, params) -> text deltas
+API_KEY_ENV = "SPECSERVE_API_KEY"
+
+
+def api_key() -> str | None:
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def grpc_stream(target: str, application: str | None) -> tuple[StreamReply, Callable[[], list[str]]]:
     from specserve.client import Client
 
-    client = Client(target, application=application)
+    client = Client(target, application=application, api_key=api_key())
 
     def reply(model: str, messages: list[dict], params: dict) -> Iterator[str]:
         for delta in client.chat_stream(model, messages, **params):
@@ -30,10 +37,12 @@ def grpc_stream(target: str, application: str | None) -> tuple[StreamReply, Call
 def http_stream(base: str) -> tuple[StreamReply, Callable[[], list[str]]]:
     """The OpenAI-compatible API with the standard library (SSE lines `data: {...}`)."""
     base = base.rstrip("/")
+    auth = {"authorization": f"Bearer {api_key()}"} if api_key() else {}
 
     def reply(model: str, messages: list[dict], params: dict) -> Iterator[str]:
         body = json.dumps({"model": model, "messages": messages, "stream": True, **params}).encode()
-        request = urllib.request.Request(f"{base}/v1/chat/completions", body, {"content-type": "application/json"})
+        request = urllib.request.Request(f"{base}/v1/chat/completions", body,
+                                         {"content-type": "application/json", **auth})
         with urllib.request.urlopen(request) as response:
             for line in response:
                 data = line.decode().strip().removeprefix("data: ")
@@ -46,7 +55,7 @@ def http_stream(base: str) -> tuple[StreamReply, Callable[[], list[str]]]:
                     yield choice["delta"].get("content") or ""
 
     def models() -> list[str]:
-        with urllib.request.urlopen(f"{base}/v1/models") as response:
+        with urllib.request.urlopen(urllib.request.Request(f"{base}/v1/models", headers=auth)) as response:
             return [m["id"] for m in json.load(response)["data"]]
 
     return reply, models

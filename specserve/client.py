@@ -7,8 +7,10 @@ requests from keyword arguments and names the Serve application in the call meta
         for delta in client.chat_stream("smol", [{"role": "user", "content": "Hi"}]):
             print(delta.text, end="")
 
+`api_key` sends `authorization: Bearer <key>` with every call (deployments with `auth:`), and
+`timeout_s=` asks the server for a deadline of its own (up to the deployment's cap).
 Errors arrive as grpc.RpcError with the server's status code (INVALID_ARGUMENT, NOT_FOUND,
-RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED).
+RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, UNAUTHENTICATED).
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ def speculation(override: dict | None) -> pb.SpeculationOverride | None:
     return message
 
 
-def generate_request(model: str, prompt: str | list[int], spec: dict | None = None, **params) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(model=model, sampling=sampling(**params), speculation=speculation(spec))
+def generate_request(model: str, prompt: str | list[int], spec: dict | None = None, timeout_s: float | None = None,
+                     **params) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(model=model, sampling=sampling(**params), speculation=speculation(spec),
+                                 timeout_s=timeout_s)
     if isinstance(prompt, str):
         request.prompt = prompt
     else:
@@ -59,24 +63,27 @@ def generate_request(model: str, prompt: str | list[int], spec: dict | None = No
     return request
 
 
-def chat_request(model: str, messages: list[dict], spec: dict | None = None, **params) -> pb.ChatRequest:
+def chat_request(model: str, messages: list[dict], spec: dict | None = None, timeout_s: float | None = None,
+                 **params) -> pb.ChatRequest:
     return pb.ChatRequest(model=model, messages=[pb.ChatMessage(**m) for m in messages],
-                          sampling=sampling(**params), speculation=speculation(spec))
+                          sampling=sampling(**params), speculation=speculation(spec), timeout_s=timeout_s)
 
 
-def _metadata(application: str | None) -> tuple:
-    return (("application", application),) if application else ()
+def _metadata(application: str | None, api_key: str | None = None) -> tuple:
+    return ((("application", application),) if application else ()) + (
+        (("authorization", f"Bearer {api_key}"),) if api_key else ())
 
 
 class Client:
     """Blocking client. `application`: the Serve app's name, needed when a cluster runs several.
-    `timeout`: seconds per call (the gRPC deadline), None for none."""
+    `timeout`: seconds per call (the gRPC deadline), None for none. `api_key`: the deployment's
+    API key, if it has one."""
 
     def __init__(self, target: str = "localhost:9000", *, application: str | None = None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, api_key: str | None = None):
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.SpecserveStub(self.channel)
-        self.call = {"metadata": _metadata(application), "timeout": timeout}
+        self.call = {"metadata": _metadata(application, api_key), "timeout": timeout}
 
     def generate(self, model: str, prompt: str | list[int], *, speculation: dict | None = None,
                  **params) -> pb.GenerateResponse:
@@ -115,10 +122,10 @@ class AsyncClient:
     """The same calls for asyncio (grpc.aio); streams are async iterators."""
 
     def __init__(self, target: str = "localhost:9000", *, application: str | None = None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, api_key: str | None = None):
         self.channel = grpc.aio.insecure_channel(target)
         self.stub = pb_grpc.SpecserveStub(self.channel)
-        self.call = {"metadata": _metadata(application), "timeout": timeout}
+        self.call = {"metadata": _metadata(application, api_key), "timeout": timeout}
 
     async def generate(self, model: str, prompt: str | list[int], *, speculation: dict | None = None,
                        **params) -> pb.GenerateResponse:

@@ -91,6 +91,7 @@ class RequestState:
     # Serving: the first round drafts nothing, so the first token costs one target prefill
     # (time to first token); the draft catches up on the prompt in round two.
     prefill_without_draft: bool = False
+    timeout_s: float | None = None  # serving: the request's deadline, counted from its first round
     # Co-located heads: the draft the last verify pass proposed for the next round.
     held_proposal: Proposal | None = None
     output_ids: list[int] = field(default_factory=list)

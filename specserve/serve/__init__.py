@@ -86,6 +86,16 @@ def check_engines(args: AppArgs) -> None:
                              "co-located heads")
 
 
+def check_auth(args: AppArgs) -> None:
+    """Refuse, when the app is built, an API key source (`auth:`) that is unset, unreadable or
+    empty here: serving without the key it names would let everyone in. The router replicas
+    read it again where they run (the Secret must be on every node)."""
+    from specserve.serve.access import load_api_keys
+
+    if args.auth is not None:
+        load_api_keys(args.auth)
+
+
 def _pool_options(name: str, pool: PoolArgs) -> dict:
     return {
         "name": name,
@@ -101,6 +111,7 @@ def build_app(args: dict | AppArgs) -> Application:
 
     config = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     check_engines(config)
+    check_auth(config)
     check_vocabularies(config)
     heads = check_heads(config)
     pool, name = (CoLocatedPool, "CoLocatedPool") if heads is not None else (TargetPool, "TargetPool")

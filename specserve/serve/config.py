@@ -200,13 +200,60 @@ class RouterArgs(_DeploymentArgs):
     target_retry_timeout_s: float = Field(120.0, gt=0)
 
 
+class AuthArgs(_Strict):
+    """An API key every request must carry (HTTP `Authorization: Bearer <key>`, gRPC metadata
+    `authorization: Bearer <key>`); health checks and the metrics port stay open. Name where the
+    key is, never the key: the args are visible in Serve's config and dashboard."""
+
+    api_key_env: str | None = Field(None, min_length=1, description="an environment variable holding the key "
+                                    "(set on every node, e.g. from a Kubernetes Secret)")
+    api_key_file: str | None = Field(None, min_length=1, description="a file holding the key (e.g. a mounted "
+                                     "Kubernetes Secret); one key per line to accept several while rotating")
+
+    @model_validator(mode="after")
+    def _a_source(self):
+        if self.api_key_env is None and self.api_key_file is None:
+            raise ValueError("auth needs api_key_env or api_key_file (or leave auth out to serve without a key)")
+        return self
+
+
+class LimitsArgs(_Strict):
+    """What one request may ask for; over a limit it gets a 4xx (gRPC INVALID_ARGUMENT) naming the
+    field. The defaults bound what a client can make the server hold without getting in the way
+    of ordinary requests."""
+
+    max_request_bytes: ByteSize = Field(ByteSize(2 << 20), ge=1024, description="largest HTTP request body "
+                                        "or gRPC request message ('2MiB'); HTTP answers 413")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="most prompt tokens (default: the model's "
+                                          "context less one)")
+    max_tokens: int | None = Field(None, ge=1, description="largest max_tokens a request may ask for (default: "
+                                   "no cap but the context; prompt + max_tokens must fit in it either way)")
+    max_stop_sequences: int = Field(8, ge=0, le=64)
+    # Streamed text is held back by the longest stop sequence, and every round searches for each.
+    max_stop_length: int = Field(256, ge=1, le=4096, description="longest stop sequence, in characters")
+    timeout_s: float = Field(600.0, gt=0, description="a request's deadline unless it asks for another "
+                             "(`timeout_s` in the body or gRPC request); past it the request stops and its "
+                             "caches are freed")
+    max_timeout_s: float = Field(3600.0, gt=0, description="longest deadline a request may ask for")
+
+    @model_validator(mode="after")
+    def _timeouts_ordered(self):
+        if self.timeout_s > self.max_timeout_s:
+            raise ValueError(f"limits.timeout_s ({self.timeout_s:g}) must not exceed limits.max_timeout_s "
+                             f"({self.max_timeout_s:g})")
+        return self
+
+
 class AppArgs(_Strict):
     model_name: str | None = Field(None, description="name served at /v1/models (default: target.model)")
     target: PoolArgs
     draft: PoolArgs | None = None
     speculation: SpeculationArgs = Field(default_factory=SpeculationArgs)
     router: RouterArgs = Field(default_factory=RouterArgs)
-    max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request gives none")
+    max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request gives none (shortened "
+                                    "to what the context leaves)")
+    auth: AuthArgs | None = Field(None, description="an API key for every request (default: none)")
+    limits: LimitsArgs = Field(default_factory=LimitsArgs)
     # Compare the two tokenizers when the app is built (needs the tokenizer files locally or a
     # reachable hub); the pools compare again at start-up either way.
     check_vocabulary_at_build: bool = True
@@ -224,6 +271,9 @@ class AppArgs(_Strict):
             raise ValueError("speculation.proposer 'native' runs vLLM's own speculative decoding inside the target "
                              "pool: set target.engine: vllm and target.engine_kwargs.speculative_config (vLLM's, e.g. "
                              "{method: ngram, num_speculative_tokens: 4})")
+        if self.limits.max_tokens is not None and self.max_tokens_default > self.limits.max_tokens:
+            raise ValueError(f"max_tokens_default ({self.max_tokens_default}) must not exceed limits.max_tokens "
+                             f"({self.limits.max_tokens})")
         if self.draft is not None and self.draft.heads is not None:
             raise ValueError("heads belong to the target pool (`target.heads`), not the draft pool")
         return self

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specserve.protocol import SpecserveError
+from specserve.serve.access import Unauthenticated
+from specserve.serve.limits import DeadlineExceeded, LimitExceeded
 
 
 class ModelNotFound(Exception):
@@ -78,6 +80,13 @@ def failure(exc: BaseException) -> Failure | None:
 
     if isinstance(exc, ValidationError):
         return Failure(400, "INVALID_ARGUMENT", validation_message(exc.errors()))
+    if isinstance(exc, LimitExceeded):  # before SpecserveError, which it is
+        return Failure(exc.http_status, "INVALID_ARGUMENT", str(exc), code=exc.code, param=exc.param)
+    if isinstance(exc, Unauthenticated):
+        return Failure(401, "UNAUTHENTICATED", str(exc), code="invalid_api_key")
+    if isinstance(exc, DeadlineExceeded):
+        return Failure(408, "DEADLINE_EXCEEDED", str(exc), type_="timeout_error", code="deadline_exceeded",
+                       param="timeout_s")
     if isinstance(exc, SpecserveError):
         return Failure(400, "INVALID_ARGUMENT", str(exc))
     if isinstance(exc, ModelNotFound):

@@ -2,8 +2,9 @@
 (which calls the deployment method named like the RPC, streaming ones as async generators).
 
 A gRPC request becomes the same pydantic body an HTTP request is parsed into, so validation,
-defaults and error messages are HTTP's; the router's `generate` deltas become GenerateResponse
-messages; `failure` maps refusals onto status codes. Backpressure (RESOURCE_EXHAUSTED), client
+limits, defaults and error messages are HTTP's; the API key (metadata `authorization: Bearer
+<key>`) and the message size are checked before it is parsed; the router's `generate` deltas
+become GenerateResponse messages; `failure` maps refusals onto status codes. Backpressure (RESOURCE_EXHAUSTED), client
 deadlines (DEADLINE_EXCEEDED) and cancellation (CANCELLED) come from the proxy; a cancelled
 call cancels `generate`, which frees the request's caches as an HTTP disconnect does.
 """
@@ -16,7 +17,9 @@ from contextlib import contextmanager
 import grpc
 
 from specserve.grpc import specserve_pb2 as pb
+from specserve.serve.access import metadata_value
 from specserve.serve.generation import Delta, failure
+from specserve.serve.limits import check_request_bytes
 from specserve.serve.openai_api import ChatCompletionRequest, CompletionRequest, new_id
 
 _SAMPLING_OPTIONAL = ("temperature", "top_p", "top_k", "max_tokens", "seed")
@@ -45,6 +48,8 @@ def _body_fields(request) -> dict:
             if spec.tree.shape:
                 override["tree"]["shape"] = [list(path.ranks) for path in spec.tree.shape]
         fields["speculation"] = override
+    if request.HasField("timeout_s"):
+        fields["timeout_s"] = request.timeout_s
     return fields
 
 
@@ -93,8 +98,17 @@ def reported(grpc_context):
 class GrpcApi:
     """The Router's gRPC methods (mixed into the Router deployment class)."""
 
+    def _admit(self, request, grpc_context) -> None:
+        """The API key (Unauthenticated) and the message's size (LimitExceeded), checked before
+        the request is parsed. Serve's proxy takes messages up to RAY_SERVE_GRPC_MAX_MESSAGE_SIZE."""
+        if self.api_keys is not None:
+            metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
+            self.api_keys.check(metadata_value(metadata, "authorization"))
+        check_request_bytes(request.ByteSize(), int(self.args.limits.max_request_bytes))
+
     async def _unary(self, body_of, prefix: str, request, grpc_context) -> pb.GenerateResponse:
         with reported(grpc_context):
+            self._admit(request, grpc_context)
             body = body_of(request)
             state = await self.start(body, self.prompt_ids(body))
             async for _ in self.generate(state):
@@ -105,6 +119,7 @@ class GrpcApi:
     async def _stream(self, body_of, prefix: str, request, grpc_context) -> AsyncIterator[pb.GenerateResponse]:
         rid = new_id(prefix)
         with reported(grpc_context):
+            self._admit(request, grpc_context)
             body = body_of(request)
             state = await self.start(body, self.prompt_ids(body))
             async for delta in self.generate(state):
@@ -125,9 +140,12 @@ class GrpcApi:
             yield message
 
     async def Models(self, request: pb.ModelsRequest, grpc_context=None) -> pb.ModelsResponse:
+        with reported(grpc_context):
+            self._admit(request, grpc_context)
         return pb.ModelsResponse(models=[self.args.served_name])
 
     async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
+        """Open without an API key, like /healthz (probes carry none)."""
         with reported(grpc_context):
             await self.ready()
         return pb.HealthResponse(status="ok")

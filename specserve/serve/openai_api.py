@@ -79,6 +79,8 @@ class _GenerationBody(BaseModel):
     ignore_eos: bool = False
     logprobs: Any = None
     speculation: SpeculationOverride | None = None
+    timeout_s: float | None = Field(None, gt=0, description="extension: this request's deadline in seconds "
+                                    "(default and cap: the deployment's limits)")
     user: str | None = None
 
     @field_validator("stop")
@@ -87,9 +89,7 @@ class _GenerationBody(BaseModel):
         stops = [value] if isinstance(value, str) else list(value or [])
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
-        if len(stops) > 8:
-            raise ValueError("at most 8 stop sequences")
-        return stops
+        return stops  # how many and how long: the deployment's limits (Router.start)
 
     @model_validator(mode="after")
     def _unsupported(self):

@@ -22,6 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import ray
 from fastapi import FastAPI, Request
@@ -38,11 +39,14 @@ from specserve.protocol import (
 )
 from specserve.proposers.ngram import NgramProposer
 from specserve.request_state import RequestState
+from specserve.serve.access import ApiKeys, load_api_keys
 from specserve.serve.config import AppArgs
 from specserve.serve.generation import (
     Delta, ModelNotFound, NotReady, OutputCursor, TextStream, failure, validation_message,
 )
 from specserve.serve.grpc_api import GrpcApi
+from specserve.serve.http_guard import HttpPolicy, RequestGuard
+from specserve.serve.limits import DeadlineExceeded, check_request, deadline_message
 from specserve.serve.metrics import RouterMetrics, SpecCounts
 from specserve.serve.openai_api import (
     ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage,
@@ -53,6 +57,15 @@ logger = logging.getLogger("ray.serve")
 RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 app = FastAPI(title="specserve", description="Exact speculative decoding, OpenAI-compatible API")
+
+
+def _replica_http_policy() -> HttpPolicy:
+    """The API key and body limit of the Router this replica process runs."""
+    return serve.get_replica_context().servable_object.http_policy
+
+
+# The key and the body size are checked before FastAPI reads a body (401 and 413 unread).
+app.add_middleware(RequestGuard, policy=_replica_http_policy)
 
 
 def _error(status: int, message: str, **kw) -> JSONResponse:
@@ -67,6 +80,7 @@ async def _validation_error(request: Request, exc: RequestValidationError):
 @app.exception_handler(SpecserveError)
 @app.exception_handler(ModelNotFound)
 @app.exception_handler(NotReady)
+@app.exception_handler(DeadlineExceeded)
 async def _refused(request: Request, exc: Exception):
     f = failure(exc)
     return _error(f.http_status, f.message, type_=f.type_, code=f.code, param=f.param)
@@ -98,6 +112,9 @@ class ClosingStreamingResponse(StreamingResponse):
 class Router(GrpcApi):
     def __init__(self, target: DeploymentHandle, draft: DeploymentHandle | None, args: dict):
         self.args = AppArgs.model_validate(args)
+        # Read where this replica runs (the build checked them where the app was built).
+        self.api_keys = ApiKeys(load_api_keys(self.args.auth)) if self.args.auth is not None else None
+        self.http_policy = HttpPolicy(self.api_keys, int(self.args.limits.max_request_bytes))
         self.spec = self.args.speculation  # pool settings: draft timeouts
         self.speculation = self.spec.spec()  # the deployment's default Speculation
         self.target = target
@@ -180,18 +197,34 @@ class Router(GrpcApi):
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
 
-    async def _rounds(self, state: RequestState) -> AsyncIterator[list[int]]:
+    async def _before(self, deadline: float | None, state: RequestState, call):
+        """`call`'s result, or DeadlineExceeded once the request's deadline passes (the call is
+        cancelled; a pool call's cancellation reaches its replica)."""
+        if deadline is None:
+            return await call
+        remaining = deadline - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(call, remaining)
+        except TimeoutError:
+            if asyncio.iscoroutine(call):
+                call.close()  # never awaited when the deadline had already passed
+            raise DeadlineExceeded(deadline_message(state.timeout_s, len(state.output_ids))) from None
+
+    async def _rounds(self, state: RequestState, deadline: float | None = None) -> AsyncIterator[list[int]]:
         try:
             while not state.finished:
                 started = time.perf_counter()
                 state.plan_round(self.policy, self.load)
                 draft_call = state.needs_proposer and state.speculation.draft_cost == "pool"
                 if state.needs_proposer:  # a draft pool's round, or prompt lookup
-                    proposal = await self._propose(state.propose_request(), state.speculation.proposer)
+                    proposal = await self._before(deadline, state, self._propose(state.propose_request(),
+                                                                                 state.speculation.proposer))
                 else:  # co-located heads proposed it in the previous verify pass (or no speculation)
                     proposal = state.proposal_in_hand()
                 verify = state.verify_request(proposal)
-                result = await self._verify(verify)
+                result = await self._before(deadline, state, self._verify(verify))
                 compute = result.compute_s + (proposal.compute_s if proposal is not None else 0.0)
                 overhead = max(0.0, time.perf_counter() - started - compute)
                 state.stats.round_trip_overhead_s += overhead
@@ -218,11 +251,13 @@ class Router(GrpcApi):
 
     async def generate(self, state: RequestState) -> AsyncIterator[Delta]:
         """Run the request's rounds; each yields the tokens it emitted and the text they make
-        safe to show (stop strings held back, then cut). The caches are freed however it ends."""
+        safe to show (stop strings held back, then cut). The caches are freed however it ends,
+        and DeadlineExceeded ends it once `state.timeout_s` has passed."""
         cursor = OutputCursor(TextStream(state.params.stop))
         timer = self.metrics.timer()
+        deadline = time.monotonic() + state.timeout_s if state.timeout_s is not None else None
         try:
-            async for _ in self._rounds(state):
+            async for _ in self._rounds(state, deadline):
                 ids, text = cursor.advance(state.output_ids, self._text(state), final=state.finished)
                 timer.emitted(len(ids), final=state.finished)
                 if state.finished:
@@ -238,11 +273,16 @@ class Router(GrpcApi):
 
     async def start(self, body, prompt_ids: list[int]) -> RequestState:
         """A validated request: `body` (an OpenAI request body, or one a gRPC request became)
-        gives the model, the sampling params and the speculation override. Raises what
-        `failure` maps: ModelNotFound, SpecserveError."""
+        gives the model, the sampling params, the speculation override and the deadline. Raises
+        what `failure` maps: ModelNotFound, SpecserveError (LimitExceeded: over `limits`)."""
         if body.model != self.args.served_name:
             raise ModelNotFound(f"model {body.model!r} is not served here; this server serves {self.args.served_name!r}")
         info = await self._model_info()
+        checked = check_request(
+            self.args.limits, prompt_tokens=len(prompt_ids),
+            prompt_param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            max_tokens=body.max_tokens, default_max_tokens=self.args.max_tokens_default, stops=body.stop,
+            timeout_s=body.timeout_s, max_context=info["max_context"])
         speculation = self.speculation
         if body.speculation is not None:
             speculation = body.speculation.apply_to(speculation)
@@ -251,7 +291,7 @@ class Router(GrpcApi):
         if speculation.proposer in DRAFT_POOL_PROPOSERS and self.draft is None:
             raise SpecserveError(f"this deployment has no draft pool for proposer {speculation.proposer!r}: "
                                  f"use {', '.join(repr(p) for p in self._proposers())}")
-        params = body.sampling_params(self.args.max_tokens_default)
+        params = replace(body.sampling_params(checked.max_tokens), max_tokens=checked.max_tokens)
         refusal = sampling_refusal(engine, params)
         if refusal is not None:
             raise SpecserveError(refusal)
@@ -263,6 +303,7 @@ class Router(GrpcApi):
         return RequestState(
             uuid.uuid4().hex, prompt_ids, params, speculation,
             frozenset(info["eos_token_ids"]), info["max_context"], prefill_without_draft=True,
+            timeout_s=checked.timeout_s,
         )
 
     def _proposers(self) -> list[str]:
@@ -349,8 +390,9 @@ class Router(GrpcApi):
                     yield chunk(delta.text, None)
                 if delta.finish_reason is not None:
                     yield chunk(None, delta.finish_reason)
-        except SpecserveError as exc:  # headers are sent: report in-band, as OpenAI does
-            yield "data: " + json.dumps(error_body(str(exc))) + "\n\n"
+        except (SpecserveError, DeadlineExceeded) as exc:  # headers are sent: report in-band, as OpenAI does
+            f = failure(exc)
+            yield "data: " + json.dumps(error_body(f.message, type_=f.type_, param=f.param, code=f.code)) + "\n\n"
         if body.stream_options is not None and body.stream_options.include_usage:
             yield "data: " + json.dumps({
                 "id": rid, "object": obj, "created": created, "model": self.args.served_name, "choices": [],
