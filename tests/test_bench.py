@@ -457,3 +457,26 @@ def test_service_runs_sum_the_policys_decisions_and_report_the_off_share():
     off = systems.ServiceRun("specserve none", "none", "code", 4)
     off.add_k_histogram({"0": 9})
     assert off.speculation_off_share is None  # not a decision: nothing to decide
+
+
+def test_transport_overhead_is_grpc_minus_http_per_level():
+    from specserve.benchmarks.http import StreamResult
+    from specserve.benchmarks.transport import inter_token_s, overhead
+
+    # 5 tokens, first at 0.2 s, last at 1.0 s: 4 gaps of 0.2 s.
+    assert inter_token_s([StreamResult(tokens=5, ttft_s=0.2, seconds=1.0), StreamResult(tokens=1, seconds=9)]) == \
+        pytest.approx(0.2)
+    row = {"wall_s": 1.0, "tokens": 10, "ttft_ms": 5.0}
+    rows = [{**row, "streams": 1, "round": r, "transport": t, "tok_s": tok_s, "inter_token_ms": ms}
+            for r, (t, tok_s, ms) in enumerate([("http", 10.0, 100.0), ("grpc", 9.0, 110.0),
+                                                 ("grpc", 11.0, 90.0), ("http", 10.0, 104.0)])]
+    [level] = overhead(rows)
+    assert level["grpc_minus_http_ms_per_token"] == pytest.approx(100.0 - 102.0)
+    assert level["grpc_over_http_tok_s"] == pytest.approx(1.0)
+
+
+def test_metrics_cost_per_round_times_real_and_no_op_metrics():
+    from specserve.benchmarks.transport import _time_rounds
+
+    timings = _time_rounds(50)
+    assert set(timings) == {"ray.serve.metrics", "no-op"} and all(t > 0 for t in timings.values())
