@@ -73,6 +73,10 @@ class PoolArgs(_DeploymentArgs):
         0.5, ge=0, le=1, description="a pass may wait up to this share of a pass for calls of requests "
         "due back (answered in an earlier pass, expected from their usual return time), so streams "
         "share passes instead of splitting into alternating half-full ones; 0 turns it off")
+    abandoned_cache_s: float = Field(
+        300, gt=0, description="a request's cache that no call has touched for this long is released at the "
+        "next health check: its router died mid-request and will never release it (a live request whose "
+        "cache is dropped only recomputes it from the token ids its next call carries)")
     # Ray Serve deployment options, passed through.
     num_replicas: int | Literal["auto"] | None = None
     autoscaling_config: dict[str, Any] | None = None

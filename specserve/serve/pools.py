@@ -42,6 +42,7 @@ class _Pool:
     def __init__(self, pool_args: dict[str, Any], build_engine: Callable | None = None,
                  speculation: dict[str, Any] | None = None):
         self.args = pool_args
+        self._last_call: dict[str, float] = {}  # request id -> when a call for it last came or went
         started = time.monotonic()
         if build_engine is None:
             self.engine = default_engine(pool_args, self.ROLE, speculation)
@@ -56,7 +57,28 @@ class _Pool:
         return self.engine.worker
 
     async def release(self, request_id: str) -> bool:
+        self._last_call.pop(request_id, None)
         return await self.engine.release(request_id)
+
+    async def _call(self, request_id: str, call):
+        """Run an engine call for a request, noting when its cache was last touched."""
+        self._last_call[request_id] = time.monotonic()
+        try:
+            return await call
+        finally:
+            self._last_call[request_id] = time.monotonic()
+
+    async def release_abandoned(self) -> int:
+        """Release the caches of requests no call has touched for `abandoned_cache_s`: their
+        router died mid-request (its release will never come). Returns how many."""
+        cutoff = time.monotonic() - self.args.get("abandoned_cache_s", 300)
+        abandoned = [rid for rid, t in self._last_call.items() if t < cutoff]
+        for request_id in abandoned:
+            self._last_call.pop(request_id, None)
+            await self.engine.release(request_id)
+        if abandoned:
+            logger.info("released the caches of %d abandoned requests", len(abandoned))
+        return len(abandoned)
 
     async def info(self):
         """The engine's EngineInfo: context, EOS ids, vocabulary fingerprint, capabilities."""
@@ -81,6 +103,7 @@ class _Pool:
 
     async def check_health(self) -> None:
         await self.engine.check_health()
+        await self.release_abandoned()
 
 
 def _as_engine(built, pool_args: dict[str, Any], role: str, speculation: dict[str, Any] | None):
@@ -100,14 +123,14 @@ class DraftPool(_Pool):
         super().__init__(pool_args, build_engine, speculation)
 
     async def propose(self, request: ProposeRequest) -> Proposal:
-        return await self.engine.propose(request)
+        return await self._call(request.request_id, self.engine.propose(request))
 
 
 class _Verifying(_Pool):
     """A replica that holds the target and verifies (TargetPool, CoLocatedPool)."""
 
     async def verify(self, request: VerifyRequest) -> VerifyResult:
-        return await self.engine.verify(request)
+        return await self._call(request.request_id, self.engine.verify(request))
 
     async def model_info(self) -> dict:
         info = self.engine.info()
