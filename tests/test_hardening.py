@@ -34,7 +34,8 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1,
 def hardening(cluster):
     from ray import serve
 
-    rel.deploy(rel.smol_app_args("smol", router_replicas=2), APP, f"/{APP}")
+    # caches of a dead router's requests are released after 10 s without a call (300 s by default)
+    rel.deploy(rel.smol_app_args("smol", router_replicas=2, k=2, abandoned_cache_s=10), APP, f"/{APP}")
     yield APP
     serve.delete(APP)
 
@@ -154,11 +155,14 @@ async def cancel_many(count: int, concurrency: int, seed: int = 0) -> Counter:
 
     async def worker(http, stub):
         nonlocal next_i
-        while sum(n for (_, o), n in outcomes.items() if o == "cancelled") < count:
+        while sum(n for (_, o), n in outcomes.items() if o == "cancelled") < count and next_i < 3 * count:
             i, next_i = next_i, next_i + 1
             async with slots:
                 kind, coroutine = one_cancel(http, stub, i, rng)
-                outcomes[kind, await coroutine] += 1
+                try:
+                    outcomes[kind, await coroutine] += 1
+                except Exception as exc:  # counted: the test fails on any outcome but the expected ones
+                    outcomes[kind, f"{type(exc).__name__}: {exc}"[:120]] += 1
 
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency * 2)) as http, \
             grpc.aio.insecure_channel(GRPC_TARGET) as channel:
@@ -190,7 +194,7 @@ def test_a_thousand_cancelled_requests_leave_no_cached_request(hardening, refere
 
 # ---- fault injection under load ---------------------------------------------------------------
 
-FAULT_TOKENS = 40
+FAULT_TOKENS = 64  # about 20 rounds: the streams are still running when the replica dies
 
 
 @pytest.mark.parametrize("kind", ["draft", "target", "router"])
@@ -203,7 +207,7 @@ def test_killing_a_replica_under_load(hardening, reference, kind):
     run = faults.run_fault(kind, url=URL, app=APP, model="smol", prompts=prompts, max_tokens=FAULT_TOKENS,
                            reference=expected_texts(reference, prompts, FAULT_TOKENS), timeout_s=180)
     print(run)
-    assert run.killed
+    assert run.killed and run.open_at_kill > 0
     assert run.hung == 0 and run.inexact == 0, run.errors
     if kind == "router":
         assert run.exact + run.failed == run.streams

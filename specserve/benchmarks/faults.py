@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -46,7 +47,9 @@ class FaultRun:
     failed: int = 0  # ended with an error the client saw
     hung: int = 0  # no end within the stream timeout
     inexact: int = 0  # completed with text other than the target's: never acceptable
-    killed: str = ""
+    killed: str = ""  # "Deployment replica-id"
+    killed_at: float = 0.0  # time.monotonic() of the kill
+    open_at_kill: int = 0  # streams still running when the replica died (0: the kill proved nothing)
     recovered_s: float | None = None  # until Serve ran the replica count again
     after_ok: int = 0  # fresh requests after recovery that completed exactly
     after_sent: int = 0
@@ -73,6 +76,7 @@ async def _streams_with_a_kill(url: str, model: str, prompts: list[str], max_tok
 
     started = asyncio.Event()
     begun: set[int] = set()
+    ended: set[int] = set()
 
     def on_chunk_of(i):
         def on_chunk(_):
@@ -89,11 +93,18 @@ async def _streams_with_a_kill(url: str, model: str, prompts: list[str], max_tok
         victim = await asyncio.to_thread(choose_victim, app, kind)
         run.killed = f"{victim.deployment} {victim.replica_id}"
         await asyncio.to_thread(rel.kill, victim)
+        run.killed_at = time.monotonic()
+        run.open_at_kill = len(prompts) - len(ended)
+
+    async def stream(http, i, body):
+        try:
+            return await rel.stream_completion(http, url, body, on_chunk=on_chunk_of(i), timeout_s=timeout_s)
+        finally:
+            ended.add(i)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30)) as http:
         body = {"model": model, "max_tokens": max_tokens, "temperature": 0}
-        streams = [rel.stream_completion(http, url, {**body, "prompt": p}, on_chunk=on_chunk_of(i), timeout_s=timeout_s)
-                   for i, p in enumerate(prompts)]
+        streams = [stream(http, i, {**body, "prompt": p}) for i, p in enumerate(prompts)]
         outcomes, _ = await asyncio.gather(asyncio.gather(*streams), killer())
     return outcomes
 
@@ -107,6 +118,14 @@ async def _fresh_requests(url: str, model: str, prompts: list[str], max_tokens: 
             rel.stream_completion(http, url, {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0},
                                   timeout_s=timeout_s) for p in prompts])
     return sum(o.completed and o.text == reference[p] for p, o in zip(prompts, outcomes, strict=True))
+
+
+def recovered(app: str, killed: str, expected_counts: dict[str, int]) -> bool:
+    """The controller has dropped the killed replica and runs as many as before (right after
+    the kill it may still count the dead one as running)."""
+    deployment, replica_id = killed.split(" ")
+    live = {r.replica_id for r in rel.replicas(app).get(deployment, [])}
+    return replica_id not in live and rel.running_replica_counts(app) == expected_counts
 
 
 def run_fault(kind: str, *, url: str, app: str, model: str, prompts: list[str], max_tokens: int,
@@ -130,13 +149,13 @@ def run_fault(kind: str, *, url: str, app: str, model: str, prompts: list[str], 
         else:
             run.failed += 1
             run.errors.append(o.error or f"ended without [DONE] after {o.chunks} chunks")
-    killed_at = time.monotonic()
-    if rel.wait_until(lambda: rel.running_replica_counts(app) == expected_counts, recovery_timeout_s, 1.0):
-        run.recovered_s = round(time.monotonic() - killed_at, 1)
+    if rel.wait_until(lambda: recovered(app, run.killed, expected_counts), recovery_timeout_s, 1.0):
+        run.recovered_s = round(time.monotonic() - run.killed_at, 1)
     run.after_sent = len(prompts)
     run.after_ok = asyncio.run(_fresh_requests(url, model, prompts, max_tokens, reference, timeout_s))
     rel.wait_until(lambda: rel.total_cached_requests(app) == 0, 60, 1.0)
-    run.cached_after = rel.total_cached_requests(app)
+    with contextlib.suppress(Exception):  # None when a pool does not answer: reported as such
+        run.cached_after = rel.total_cached_requests(app)
     return run
 
 
@@ -152,12 +171,12 @@ def markdown(runs: list[FaultRun], config: dict) -> str:
         rows = [r for r in runs if r.kind == kind]
         if not rows:
             continue
-        recovered = [r.recovered_s for r in rows if r.recovered_s is not None]
+        recovery = [r.recovered_s for r in rows if r.recovered_s is not None]
         lines.append(
             f"| {kind} | {len(rows)} | {sum(r.streams for r in rows)} | {sum(r.completed for r in rows)} | "
             f"{sum(r.exact for r in rows)} | {sum(r.failed for r in rows)} | {sum(r.hung for r in rows)} | "
             f"{sum(r.inexact for r in rows)} | {sum(r.after_ok for r in rows)}/{sum(r.after_sent for r in rows)} | "
-            f"{max(recovered) if recovered else 'not recovered'} | {sum(r.cached_after or 0 for r in rows)} |")
+            f"{max(recovery) if recovery else 'not recovered'} | {sum(r.cached_after or 0 for r in rows)} |")
     errors = sorted({e[:160] for r in runs for e in r.errors})
     if errors:
         lines += ["", "Errors the clients saw:", ""] + [f"- `{e}`" for e in errors[:20]]

@@ -25,12 +25,15 @@ POOLS = ("TargetPool", "DraftPool", "CoLocatedPool")
 
 def smol_app_args(model_name: str = "smol", *, target_replicas: int = 2, draft_replicas: int = 1,
                   router_replicas: int = 1, pool_cpus: float = 0.25, max_ongoing: int = 32,
-                  target: str = SMOL, draft: str | None = SMOL, k: int = 3) -> dict:
+                  target: str = SMOL, draft: str | None = SMOL, k: int = 3,
+                  abandoned_cache_s: float | None = None) -> dict:
     """Args for `build_app`: float32 pools (outputs comparable to transformers' greedy decoding),
     one torch thread each, fast health checks (a killed replica is noticed in seconds), and a
     fixed k so every round drafts."""
     pool = {"dtype": "float32", "torch_threads": 1, "ray_actor_options": {"num_cpus": pool_cpus},
             "health_check_period_s": 2, "health_check_timeout_s": 30}
+    if abandoned_cache_s is not None:
+        pool["abandoned_cache_s"] = abandoned_cache_s
     args = {
         "model_name": model_name,
         "target": {"model": target, "num_replicas": target_replicas, **pool},
