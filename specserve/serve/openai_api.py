@@ -129,15 +129,21 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]]
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, value):
+        # checked here, with the body: refused later it would be a server error, not a 400
+        for part in value if isinstance(value, list) else ():
+            if part.get("type") != "text":
+                raise ValueError(f"message content of type {part.get('type')!r} is not supported")
+            if not isinstance(part.get("text", ""), str):
+                raise ValueError("a text content part's text must be a string")
+        return value
+
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ValueError(f"message content of type {part.get('type')!r} is not supported")
-            parts.append(part.get("text", ""))
-        return "".join(parts)
+        return "".join(part.get("text", "") for part in self.content)
 
 
 class ChatCompletionRequest(_GenerationBody):
