@@ -5,6 +5,7 @@ does not document) or go unanswered for a minute. `python -m specserve.benchmark
 --minutes N` is the long run of the same checks.
 """
 
+import httpx
 import pytest
 
 from conftest import BASE, GRPC_PORT
@@ -40,3 +41,11 @@ def test_the_fuzzers_own_bound_on_generation():
     assert fuzz.bound_generation({"model": "smol", "max_tokens": -3}, "smol")["max_tokens"] == -3
     assert fuzz.bound_generation({"model": "other", "max_tokens": 10 ** 9}, "smol")["max_tokens"] == 10 ** 9
     assert fuzz.bound_generation(b"\x00", "smol") == b"\x00"
+
+
+@pytest.mark.parametrize("content", [[{"type": "image_url", "image_url": {"url": "x"}}], [{}], [{"type": "text", "text": 5}]])
+def test_chat_content_parts_other_than_text_are_a_400(app, content):
+    """Found by the HTTP fuzzer: such a part got past validation and failed in the route (500)."""
+    r = httpx.post(f"{BASE}/v1/chat/completions", timeout=60,
+                   json={"model": "smol", "messages": [{"role": "user", "content": content}], "max_tokens": 2})
+    assert r.status_code == 400 and "content" in r.json()["error"]["message"]

@@ -195,17 +195,22 @@ def test_a_thousand_cancelled_requests_leave_no_cached_request(hardening, refere
 # ---- fault injection under load ---------------------------------------------------------------
 
 FAULT_TOKENS = 64  # about 20 rounds: the streams are still running when the replica dies
+FAULT_PROMPTS = PROMPTS[:3]
+
+
+@pytest.fixture(scope="module")
+def fault_reference(reference):
+    return expected_texts(reference, FAULT_PROMPTS, FAULT_TOKENS)
 
 
 @pytest.mark.parametrize("kind", ["draft", "target", "router"])
-def test_killing_a_replica_under_load(hardening, reference, kind):
+def test_killing_a_replica_under_load(hardening, fault_reference, kind):
     """draft or target killed: every stream completes exactly (prompt lookup while the draft is
     down; the round retried on the other target). Router killed: a stream it carried may fail,
     with an error its client sees, never a hang or a wrong token; the rest complete exactly.
     Afterwards Serve runs the replica count again, fresh requests are exact, no cache is left."""
-    prompts = PROMPTS[:3]
-    run = faults.run_fault(kind, url=URL, app=APP, model="smol", prompts=prompts, max_tokens=FAULT_TOKENS,
-                           reference=expected_texts(reference, prompts, FAULT_TOKENS), timeout_s=180)
+    run = faults.run_fault(kind, url=URL, app=APP, model="smol", prompts=FAULT_PROMPTS, max_tokens=FAULT_TOKENS,
+                           reference=fault_reference, timeout_s=180)
     print(run)
     assert run.killed and run.open_at_kill > 0
     assert run.hung == 0 and run.inexact == 0, run.errors

@@ -54,6 +54,7 @@ class FaultRun:
     after_ok: int = 0  # fresh requests after recovery that completed exactly
     after_sent: int = 0
     cached_after: int | None = None  # requests holding caches in the pools once all is over
+    phases_s: dict[str, float] = field(default_factory=dict)  # streams, recovery, fresh requests, caches
     errors: list[str] = field(default_factory=list)
 
 
@@ -134,7 +135,15 @@ def run_fault(kind: str, *, url: str, app: str, model: str, prompts: list[str], 
     fresh requests after it, and the caches left in the pools."""
     expected_counts = rel.running_replica_counts(app)
     run = FaultRun(kind, len(prompts))
+    phase = time.monotonic()
+
+    def lap(name: str) -> None:
+        nonlocal phase
+        run.phases_s[name] = round(time.monotonic() - phase, 1)
+        phase = time.monotonic()
+
     outcomes = asyncio.run(_streams_with_a_kill(url, model, prompts, max_tokens, app, kind, run, timeout_s))
+    lap("streams")
     for prompt, o in zip(prompts, outcomes, strict=True):
         if o.completed:
             run.completed += 1
@@ -151,11 +160,14 @@ def run_fault(kind: str, *, url: str, app: str, model: str, prompts: list[str], 
             run.errors.append(o.error or f"ended without [DONE] after {o.chunks} chunks")
     if rel.wait_until(lambda: recovered(app, run.killed, expected_counts), recovery_timeout_s, 1.0):
         run.recovered_s = round(time.monotonic() - run.killed_at, 1)
+    lap("recovery")
     run.after_sent = len(prompts)
     run.after_ok = asyncio.run(_fresh_requests(url, model, prompts, max_tokens, reference, timeout_s))
+    lap("fresh requests")
     rel.wait_until(lambda: rel.total_cached_requests(app) == 0, 60, 1.0)
     with contextlib.suppress(Exception):  # None when a pool does not answer: reported as such
         run.cached_after = rel.total_cached_requests(app)
+    lap("caches")
     return run
 
 

@@ -175,18 +175,26 @@ def sampling_strategy(wild: bool):
                     seed=SMALL_INTS | INT64, stop=st.lists(TEXT, max_size=10), ignore_eos=st.booleans())
 
 
+WORDS = ["none", "draft", "ngram", "medusa", "hydra", "redrafter", "native", "chain", "tree", "exact", "typical",
+         "adaptive", "fixed", ""]
+
+
 def speculation_strategy(wild: bool):
-    names = st.sampled_from(["none", "draft", "ngram", "medusa", "hydra", "redrafter", "native", "chain", "tree",
-                             "exact", "typical", "adaptive", "fixed", ""])
+    """In-range values for this deployment (a draft pool, no heads), or any word or string."""
     ints = st.integers(0, 8)
     if wild:
-        names, ints = names | TEXT, SMALL_INTS | INT32
+        words = st.sampled_from(WORDS) | TEXT
+        proposer = shape = acceptance = policy = words
+        ints = SMALL_INTS | INT32
+    else:
+        proposer, shape = st.sampled_from(["none", "draft", "ngram"]), st.sampled_from(["chain", "tree"])
+        acceptance, policy = st.just("exact"), st.sampled_from(["adaptive", "fixed"])
     tree = _message(pb.TreeOverride, budget=ints, depth=ints, width=ints,
                     min_score=st.floats(0, 1, width=32) | (FLOAT32 if wild else st.nothing()),
                     shape=st.lists(st.lists(st.integers(-1, 4) | (INT32 if wild else st.nothing()), max_size=5).map(
                         lambda r: pb.TreePath(ranks=r)), max_size=12))
-    return _message(pb.SpeculationOverride, proposer=names, shape=names, k=ints, tree=tree, acceptance=names,
-                    policy=names)
+    return _message(pb.SpeculationOverride, proposer=proposer, shape=shape, k=ints, tree=tree, acceptance=acceptance,
+                    policy=policy)
 
 
 def _model(served: str, wild: bool):
@@ -195,14 +203,17 @@ def _model(served: str, wild: bool):
 
 def generate_request_strategy(served: str, wild: bool):
     prompt_ids = st.lists(st.integers(0, 49151) | (INT32 if wild else st.nothing()), max_size=24)
-    return _message(pb.GenerateRequest, model=_model(served, wild), prompt=TEXT, prompt_token_ids=prompt_ids,
+    if not wild:
+        prompt_ids = st.lists(st.integers(0, 49151), min_size=1, max_size=24)
+    return _message(pb.GenerateRequest, model=_model(served, wild), prompt=TEXT if wild else st.text(min_size=1, max_size=24),
+                    prompt_token_ids=prompt_ids,
                     sampling=sampling_strategy(wild), speculation=speculation_strategy(wild))
 
 
 def chat_request_strategy(served: str, wild: bool):
     role = st.sampled_from(["system", "user", "assistant", "tool", "developer"]) | (TEXT if wild else st.nothing())
     message = _message(pb.ChatMessage, role=role, content=TEXT)
-    return _message(pb.ChatRequest, model=_model(served, wild), messages=st.lists(message, max_size=4),
+    return _message(pb.ChatRequest, model=_model(served, wild), messages=st.lists(message, min_size=0 if wild else 1, max_size=4),
                     sampling=sampling_strategy(wild), speculation=speculation_strategy(wild))
 
 
