@@ -61,8 +61,9 @@ def http_stream(base: str) -> tuple[StreamReply, Callable[[], list[str]]]:
     return reply, models
 
 
-def chat(reply: StreamReply, model: str, params: dict, turns: Iterator[str], out=sys.stdout) -> list[dict]:
+def chat(reply: StreamReply, model: str, params: dict, turns: Iterator[str], out=None) -> list[dict]:
     """Each user turn is answered in the conversation so far; returns the conversation."""
+    out = out if out is not None else sys.stdout  # looked up per call: sys.stdout may be swapped
     messages: list[dict] = []
     for turn in turns:
         messages.append({"role": "user", "content": turn})
