@@ -163,6 +163,18 @@ def test_each_limit_is_a_clear_refusal_on_both_transports(guarded, prompt, field
                 assert err.details() == error["message"]
 
 
+def test_a_chunked_body_is_refused_once_it_passes_the_limit(guarded):
+    def chunks():  # no Content-Length: the router counts what arrives
+        yield b'{"model": "guarded", "prompt": "'
+        for _ in range(64):
+            yield b"x" * 1024
+        yield b'"}'
+
+    r = httpx.post(f"{URL}/v1/completions", headers={**AUTH, "content-type": "application/json"}, content=chunks(),
+                   timeout=60)
+    assert r.status_code == 413 and "at most 4096 bytes" in r.json()["error"]["message"]
+
+
 def test_chat_prompt_limit_names_messages(guarded):
     messages = [{"role": "user", "content": " hello" * 250}]
     r = httpx.post(f"{URL}/v1/chat/completions", headers=AUTH, timeout=60,
