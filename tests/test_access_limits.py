@@ -160,6 +160,30 @@ def test_bearer_tokens_are_checked_in_constant_time():
         assert str(err.value) == message
 
 
+def test_a_rotated_key_file_is_read_again_without_a_restart(tmp_path):
+    secret = tmp_path / "api-key"
+    secret.write_text("old\n")
+    now = [0.0]
+    keys = ApiKeys.from_args(AuthArgs(api_key_file=str(secret)), environ={}, recheck_s=10, clock=lambda: now[0])
+    keys.check("Bearer old")
+    replacement = tmp_path / "api-key.new"  # as a Secret volume does it: a new file swapped in
+    replacement.write_text("new\nold\n")
+    replacement.replace(secret)
+    with pytest.raises(Unauthenticated):
+        keys.check("Bearer new")  # not looked at again yet
+    now[0] = 10.0
+    keys.check("Bearer new")
+    keys.check("Bearer old")
+    secret.write_text("new\n")  # the old key retired
+    now[0] = 20.0
+    with pytest.raises(Unauthenticated):
+        keys.check("Bearer old")
+    secret.write_text("")  # a broken update keeps the keys it had
+    now[0] = 30.0
+    keys.check("Bearer new")
+    assert keys.keys == (b"new",)
+
+
 # ---- the HTTP guard ----------------------------------------------------------------------
 
 @pytest.fixture()

@@ -4,20 +4,27 @@ HTTP clients send `Authorization: Bearer <key>` (what the official openai client
 `api_key`); gRPC clients send the same in the call metadata (`authorization: Bearer <key>`).
 The keys come from an environment variable and/or a file (a mounted Kubernetes Secret), named in
 the app args (`auth:`, AuthArgs); each source holds one key, or several on separate lines so a
-key can be rotated without refusing the clients of the old one. Health checks stay open.
+key can be rotated without refusing the clients of the old one. The file is read again when it
+changes (a Kubernetes Secret volume is updated in place), so rotating needs no restart. Health
+checks stay open.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import os
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 
 from specserve.protocol import SpecserveError
 
 MISSING_KEY = ("no API key: send it as `Authorization: Bearer <key>` (HTTP header, or gRPC metadata "
                "`authorization`)")
 INVALID_KEY = "invalid API key"
+RECHECK_S = 10.0  # how often a key file is looked at for changes (a stat, not a read)
+
+logger = logging.getLogger("ray.serve")
 
 
 class Unauthenticated(Exception):
@@ -61,15 +68,52 @@ def bearer_token(authorization: str | None) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
-class ApiKeys:
-    """The accepted keys; `check` raises Unauthenticated for a missing or wrong one."""
+def file_version(path: str) -> tuple[int, int, int] | None:
+    """What changes when a file is replaced or rewritten (a Secret volume swaps a symlink)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_ino, st.st_size
 
-    def __init__(self, keys: Iterable[bytes]):
+
+class ApiKeys:
+    """The accepted keys; `check` raises Unauthenticated for a missing or wrong one. Built with
+    `from_args`, it reads the key file again when it changes (looked at every `recheck_s`); a
+    changed file that holds no key, or cannot be read, keeps the keys it had, with a warning."""
+
+    def __init__(self, keys: Iterable[bytes], *, auth=None, environ: Mapping[str, str] = os.environ,
+                 recheck_s: float = RECHECK_S, clock: Callable[[], float] = time.monotonic):
         self.keys = tuple(keys)
         if not self.keys:
             raise ValueError("ApiKeys needs at least one key")
+        self.auth, self.environ, self.recheck_s, self.clock = auth, environ, recheck_s, clock
+        self.watched = auth.api_key_file if auth is not None else None
+        self._version = file_version(self.watched) if self.watched else None
+        self._next_look = clock() + recheck_s
+
+    @classmethod
+    def from_args(cls, auth, environ: Mapping[str, str] = os.environ, **kwargs) -> ApiKeys:
+        return cls(load_api_keys(auth, environ), auth=auth, environ=environ, **kwargs)
+
+    def _reload_if_changed(self) -> None:
+        now = self.clock()
+        if self.watched is None or now < self._next_look:
+            return
+        self._next_look = now + self.recheck_s
+        version = file_version(self.watched)
+        if version == self._version:
+            return
+        try:
+            self.keys = load_api_keys(self.auth, self.environ)
+        except SpecserveError as exc:
+            logger.warning("API keys not reloaded, the previous ones stay accepted: %s", exc)
+            return
+        self._version = version
+        logger.info("API keys reloaded from %s (%d accepted)", self.watched, len(self.keys))
 
     def check(self, authorization: str | None) -> None:
+        self._reload_if_changed()
         token = bearer_token(authorization)
         if token is None:
             raise Unauthenticated(MISSING_KEY)

@@ -212,7 +212,8 @@ class AuthArgs(_Strict):
     api_key_env: str | None = Field(None, min_length=1, description="an environment variable holding the key "
                                     "(set on every node, e.g. from a Kubernetes Secret)")
     api_key_file: str | None = Field(None, min_length=1, description="a file holding the key (e.g. a mounted "
-                                     "Kubernetes Secret); one key per line to accept several while rotating")
+                                     "Kubernetes Secret); one key per line to accept several while rotating; "
+                                     "read again when it changes")
 
     @model_validator(mode="after")
     def _a_source(self):

@@ -39,7 +39,7 @@ from specserve.protocol import (
 )
 from specserve.proposers.ngram import NgramProposer
 from specserve.request_state import RequestState
-from specserve.serve.access import ApiKeys, load_api_keys
+from specserve.serve.access import ApiKeys
 from specserve.serve.config import AppArgs
 from specserve.serve.generation import (
     Delta, ModelNotFound, NotReady, OutputCursor, TextStream, failure, validation_message,
@@ -113,7 +113,7 @@ class Router(GrpcApi):
     def __init__(self, target: DeploymentHandle, draft: DeploymentHandle | None, args: dict):
         self.args = AppArgs.model_validate(args)
         # Read where this replica runs (the build checked them where the app was built).
-        self.api_keys = ApiKeys(load_api_keys(self.args.auth)) if self.args.auth is not None else None
+        self.api_keys = ApiKeys.from_args(self.args.auth) if self.args.auth is not None else None
         self.http_policy = HttpPolicy(self.api_keys, int(self.args.limits.max_request_bytes))
         self.spec = self.args.speculation  # pool settings: draft timeouts
         self.speculation = self.spec.spec()  # the deployment's default Speculation
