@@ -224,3 +224,22 @@ def test_a_request_past_its_deadline_stops_and_frees_its_caches(guarded):
             err = grpc_error(call)
             assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "deadline of 1 s" in err.details()
     assert wait_for(lambda: cached_requests(guarded) == 0, timeout=30)
+
+
+def test_the_deadline_frees_the_caches_in_both_pools(app):
+    """On the tier's main app (default limits, a draft pool): a stream's own timeout_s."""
+    def cached() -> int:
+        return sum(s["requests"] for pool in app for s in pool_stats(pool).values())
+
+    assert wait_for(lambda: cached() == 0)
+    body = {"model": "smol", "prompt": LONG, "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+            "stream": True, "timeout_s": 4}
+    with httpx.stream("POST", f"{BASE}/v1/completions", json=body, timeout=60) as r:
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+            if len(events) == 4:
+                assert cached() >= 2  # the request's caches in the target pool and the draft pool
+    assert events[-1] == "[DONE]" and '"deadline_exceeded"' in events[-2]
+    assert wait_for(lambda: cached() == 0, timeout=30)
