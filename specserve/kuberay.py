@@ -24,6 +24,7 @@ import copy
 import gzip
 import json
 import math
+import posixpath
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,9 @@ CLIENT_PORT = 10001
 HF_TOKEN_SECRET = "specserve-hf-token"
 HF_TOKEN_KEY = "HF_TOKEN"
 HF_HOME = "/home/ray/.cache/huggingface"
+# The API key (manifest `auth:`): `kubectl create secret generic specserve-api-key --from-literal=api-key=...`
+API_KEY_SECRET = "specserve-api-key"
+API_KEY_KEY = "api-key"
 POD_LABELS = {"app.kubernetes.io/part-of": "specserve"}  # what deploy/monitoring selects
 GPU = "nvidia.com/gpu"
 
@@ -241,6 +245,28 @@ def container_env(layout: Layout) -> list[dict[str, Any]]:
             {"name": "HF_HOME", "value": HF_HOME}]
 
 
+def add_api_key(template: dict[str, Any], auth: dict[str, Any] | None) -> None:
+    """Give a pod the API key the manifest's `auth:` names, from the Secret API_KEY_SECRET: as the
+    environment variable `api_key_env` and/or the file `api_key_file` (a mounted Secret: the
+    kubelet updates it when the Secret changes and the router re-reads it, so keys rotate
+    without a restart). Not optional: the app is built on the head and each router replica
+    reads the key where it runs, and a missing key must stop the pod, not open the API."""
+    if not auth:
+        return
+    container, spec = template["spec"]["containers"][0], template["spec"]
+    if auth.get("api_key_env"):
+        container["env"].append({"name": auth["api_key_env"],
+                                 "valueFrom": {"secretKeyRef": {"name": API_KEY_SECRET, "key": API_KEY_KEY}}})
+    if auth.get("api_key_file"):
+        directory, name = posixpath.split(auth["api_key_file"])
+        if not directory.startswith("/") or not name:
+            raise DeployError(f"auth.api_key_file {auth['api_key_file']!r}: give an absolute file path, "
+                              "e.g. /etc/specserve/api-key")
+        spec["volumes"].append({"name": "api-key", "secret": {"secretName": API_KEY_SECRET,
+                                                              "items": [{"key": API_KEY_KEY, "path": name}]}})
+        container["volumeMounts"].append({"name": "api-key", "mountPath": directory, "readOnly": True})
+
+
 def container_ports(http_port: int, grpc_port: int, head: bool) -> list[dict[str, Any]]:
     ports = [{"name": "serve", "containerPort": http_port},
              {"name": "serve-grpc", "containerPort": grpc_port},
@@ -305,6 +331,9 @@ def rayservice(layout: Layout, manifest: dict[str, Any]) -> dict[str, Any]:
                            "metrics-export-port": str(METRICS_PORT)},
         "template": pod_template(layout, layout.head, container_ports(http_port, grpc_port, head=True), head=True),
     }
+    auth = only_app(manifest, f"manifests/{layout.manifest}")["args"].get("auth")
+    for template in [head["template"], *(g["template"] for g in groups)]:
+        add_api_key(template, auth)
     cluster: dict[str, Any] = {"rayVersion": RAY_VERSION}
     if any(g["minReplicas"] < g["maxReplicas"] for g in groups):
         cluster["enableInTreeAutoscaling"] = True

@@ -283,7 +283,8 @@ def test_duplicate_keys_in_list_maps_are_refused(schema, tmp_path):
     head = obj["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     head["env"].append({"name": "HF_TOKEN", "value": "hf_literal"})
     [error] = kuberay.crd_errors(obj, schema)
-    assert error.startswith("spec.rayClusterConfig.headGroupSpec.template.spec.containers[0].env[2]: duplicate of "
+    assert error.startswith(f"spec.rayClusterConfig.headGroupSpec.template.spec.containers[0].env[{len(head['env']) - 1}]: "
+                            "duplicate of "
                             "spec.rayClusterConfig.headGroupSpec.template.spec.containers[0].env[0]")
 
     # a manifest whose HTTP port is the metrics export port renders two container ports 8080
@@ -495,3 +496,29 @@ def test_the_dockerfile_builds_the_images_the_rayservices_run():
     assert "HF_TOKEN" not in dockerfile.replace("pods read HF_TOKEN from", "")
     ignore = (kuberay.DEPLOY / "Dockerfile.dockerignore").read_text().split()
     assert ignore[ignore.index("*"):] == ["*", "!pyproject.toml", "!README.md", "!specserve/", "**/__pycache__"]
+
+
+def test_every_pod_gets_the_api_key_the_manifest_names_from_the_secret(schema):
+    args = load(kuberay.MANIFESTS / "llama70b.yaml")["applications"][0]["args"]
+    assert args["auth"] == {"api_key_env": "SPECSERVE_API_KEY"}
+    cluster = llama70b()["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+    for template in templates:
+        [key] = [e for e in template["spec"]["containers"][0]["env"] if e["name"] == "SPECSERVE_API_KEY"]
+        assert key["valueFrom"]["secretKeyRef"] == {"name": kuberay.API_KEY_SECRET, "key": kuberay.API_KEY_KEY}
+
+
+def test_an_api_key_file_mounts_the_secret_where_the_manifest_reads_it(schema):
+    manifest = load(kuberay.MANIFESTS / "local.yaml")
+    manifest["applications"][0]["args"]["auth"] = {"api_key_file": "/etc/specserve/api-key"}
+    obj = kuberay.rayservice(kuberay.LAYOUTS["cpu"], manifest)
+    assert kuberay.crd_errors(obj, schema) == []
+    pod = obj["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "api-key"]
+    assert volume["secret"] == {"secretName": kuberay.API_KEY_SECRET,
+                                "items": [{"key": kuberay.API_KEY_KEY, "path": "api-key"}]}
+    assert {"name": "api-key", "mountPath": "/etc/specserve", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+
+    manifest["applications"][0]["args"]["auth"] = {"api_key_file": "api-key"}
+    with pytest.raises(kuberay.DeployError, match="absolute file path"):
+        kuberay.rayservice(kuberay.LAYOUTS["cpu"], manifest)
