@@ -42,7 +42,7 @@ class SpecserveError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to turn the target's logits into tokens. temperature == 0 means greedy."""
+    """How to turn the target's logits into tokens. temperature 0 (below 1e-5) means greedy."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -67,7 +67,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # below vLLM's sampling epsilon, logits / temperature overflows float32 (NaN rows):
+        # such a temperature is greedy, its limit
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)

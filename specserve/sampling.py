@@ -55,6 +55,7 @@ def _outside_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     if m < logits.shape[-1] and bool((top.sum(-1) < top_p).any()):
         top, order = probs.sort(dim=-1, descending=True)
     drop_sorted = (top.cumsum(-1) - top) >= top_p
+    drop_sorted[..., 0] = False  # even when top_p underflows float32 to 0 (5e-324): never an empty row
     drop = torch.ones_like(probs, dtype=torch.bool)
     return drop.scatter_(-1, order, drop_sorted)
 
