@@ -117,6 +117,10 @@ def send_http_case(case, url: str, served: str, timeout_s: float, tally: Tally) 
         tally.statuses["timeout"] += 1
         tally.hangs.append(f"no answer in {timeout_s:.0f} s: {_curl(case, url)}")
         return
+    except requests.exceptions.RequestException as exc:  # a stream broken off mid-way: the server failed
+        tally.statuses["broken"] += 1
+        tally.server_errors.append(f"{type(exc).__name__}: {exc}"[:200] + f": {_curl(case, url)}")
+        return
     tally.statuses[response.status_code] += 1
     if response.status_code >= 500:
         tally.server_errors.append(f"HTTP {response.status_code} {response.text[:200]!r}: {_curl(case, url)}")
