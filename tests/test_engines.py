@@ -154,3 +154,51 @@ def test_the_library_decoder_refuses_native_mode(qwen_pair):
     target, _ = qwen_pair
     with pytest.raises(SpecserveError, match="native"):
         make_decoder(target, method="none").generate([[1, 2, 3]], proposer="native")
+
+
+def test_the_node_pass_lock_lets_one_process_pass_at_a_time(tmp_path, monkeypatch):
+    """Pools that share cores take turns: while another process holds the node's pass lock,
+    a pool with node_pass_lock waits for it, and one without it does not."""
+    import multiprocessing
+    import time
+
+    from specserve.engine import torch_engine
+    from specserve.engine.torch_engine import TorchEngine
+    from specserve.engine.torch_worker import TorchWorker
+
+    path = str(tmp_path / "passes.lock")
+    monkeypatch.setattr(torch_engine, "NODE_PASS_LOCK", path)
+    holding, release = multiprocessing.Event(), multiprocessing.Event()
+    holder = multiprocessing.get_context("fork").Process(target=_hold_lock, args=(path, holding, release))
+    holder.start()
+    try:
+        assert holding.wait(10)
+        model = tiny_model("qwen2", seed=0)
+        request = VerifyRequest("r", [1, 2, 3], SamplingParams(), 0)
+        free = TorchEngine(TorchWorker(model), PoolArgs(model="tiny").model_dump(), "target")
+        asyncio.run(asyncio.wait_for(free.verify(request), 10))  # not a holder of the lock: runs now
+        locked = TorchEngine(TorchWorker(model), PoolArgs(model="tiny", node_pass_lock=True).model_dump(), "target")
+
+        async def verify_while_held():
+            call = asyncio.ensure_future(locked.verify(dataclasses.replace(request, request_id="s")))
+            await asyncio.sleep(0.5)
+            assert not call.done()  # waits for the other process's pass
+            release.set()
+            started = time.monotonic()
+            result = await asyncio.wait_for(call, 10)
+            return result, time.monotonic() - started
+
+        result, waited = asyncio.run(verify_while_held())
+        assert result.tokens and waited < 10
+        assert locked.load().step_s < 0.5  # the pass's own time, not the wait for the lock
+    finally:
+        release.set()
+        holder.join(10)
+
+
+def _hold_lock(path, holding, release):
+    from specserve.engine.torch_engine import node_pass_lock
+
+    with node_pass_lock(path):
+        holding.set()
+        release.wait(30)
