@@ -10,10 +10,7 @@ other requests' rounds (plan_prefill_chunks). Ray-free: pools wrap it, tests dri
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
 import os
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -50,21 +47,6 @@ def plan_prefill_chunks(uncached: list[int], budget: int) -> list[int | None]:
             plan.append(budget)
             budget = 0
     return plan
-
-
-NODE_PASS_LOCK = os.path.join(tempfile.gettempdir(), "specserve-node-passes.lock")
-
-
-@contextlib.contextmanager
-def node_pass_lock(path: str | None = None):
-    """Hold the node's pass lock (an flock shared by every process on this machine that opens
-    `path`): forward passes of pools that share cores run one at a time."""
-    with open(path or NODE_PASS_LOCK, "a+") as handle:  # one open file per holder: flock excludes other open files
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def cpus_of_this_replica() -> int:
@@ -202,9 +184,8 @@ class TorchEngine:
     # ---- batches -----------------------------------------------------------------------
 
     def _run(self, requests):
-        node_lock = node_pass_lock() if self.args.get("node_pass_lock") else contextlib.nullcontext()
-        with self._lock, node_lock:
-            started = time.perf_counter()  # after the locks: the load signal is the pass's own time
+        with self._lock:
+            started = time.perf_counter()
             passes_before = getattr(self.worker, "forward_passes", 0)
             uncached, chunks = self._queue_prefill_chunks(requests)
             ready = [r for r, chunk in zip(requests, chunks) if chunk is None]

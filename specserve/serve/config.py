@@ -73,11 +73,6 @@ class PoolArgs(_DeploymentArgs):
         0.5, ge=0, le=1, description="a pass may wait up to this share of a pass for calls of requests "
         "due back (answered in an earlier pass, expected from their usual return time), so streams "
         "share passes instead of splitting into alternating half-full ones; 0 turns it off")
-    node_pass_lock: bool = Field(
-        False, description="run this pool's forward passes one at a time with every other pool replica on the "
-        "same node that sets it (a file lock): pools whose torch threads together oversubscribe the node's "
-        "cores (the default pair on 2 cores, each pool using both) then take turns at full speed instead of "
-        "slowing each other down. Leave off where pools have cores or GPUs of their own")
     abandoned_cache_s: float = Field(
         300, gt=0, description="a request's cache that no call has touched for this long is released at the "
         "next health check: its router died mid-request and will never release it (a live request whose "
