@@ -54,7 +54,7 @@ generate: models
 # SmolLM2-135M, tests marked `vllm`) in the vLLM environment, installed first when missing.
 test: setup vllm-env
 	$(VENV)/bin/specserve models pull smollm2-135m-instruct
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=12
 	$(MAKE) test-vllm
 
 test-vllm: setup vllm-env

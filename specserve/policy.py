@@ -208,6 +208,7 @@ class Decision:
     k: int
     goodput: dict[int, float]  # tokens per second per candidate k (the model's view)
     reason: str  # "warmup" (the configured depth) | "model" | "probe" (one level deeper, to measure it)
+    # | "measured" (off: the router measured that, at this load, no speculation gives more)
 
 
 class SpeculationPolicy:
@@ -268,4 +269,98 @@ class SpeculationPolicy:
         best = max(allowed, key=lambda k: (allowed[k], -k))  # ties: the smaller k
         if current in allowed and allowed[best] <= allowed[current] * (1 + self.config.hysteresis):
             return current
+        return best
+
+
+@dataclass
+class _ModeGoodput:
+    """Per mode, the EMA of the goodput measured in its epochs (None until measured)."""
+
+    model: float | None = None
+    off: float | None = None
+    epochs: int = 0
+
+
+@dataclass
+class MeasuredModes:
+    """A check on the model that measures instead of predicting: per concurrency level, the
+    goodput (tokens emitted per second by every request this router carries) while requests
+    speculate as the model chooses, against while speculation is off.
+
+    The per-round model cannot see every cost of speculating: the draft pool's prompt prefill,
+    passes of two pools contending for the same cores, calls queued behind other requests'
+    drafts. Where those make speculation lose, only a measurement shows it. So time is cut into
+    epochs of `epoch_s`; each runs one mode ("model" or "off") for everyone; at its end the
+    epoch's goodput goes to the EMA of its mode at its concurrency level (log2 buckets of
+    requests in flight; an epoch whose level changed is dropped). The next epoch runs the better
+    mode (switching only for more than `hysteresis`), and every `explore_every`-th epoch at a
+    level runs the other one so both estimates stay current. Below `min_in_flight` requests the
+    model alone decides: a lone request has no other requests' costs it cannot see, and exploring
+    there would only cost it speed.
+
+        >>> modes = MeasuredModes(epoch_s=1.0)
+        >>> modes.mode(now=0.0, in_flight=8)   # first epoch at 8 requests: measure the model
+        'model'
+        >>> modes.record(10)                    # 10 tokens in that epoch
+        >>> modes.mode(now=1.0, in_flight=8)   # then measure "off"
+        'off'
+    """
+
+    epoch_s: float = 4.0
+    explore_every: int = 5
+    hysteresis: float = 0.05
+    weight: float = 0.3  # an epoch's weight in its mode's EMA
+    min_in_flight: int = 2
+    levels: dict[int, _ModeGoodput] = field(default_factory=dict)
+    current: str = "model"
+    _started: float | None = None
+    _level: int | None = None
+    _tokens: int = 0
+
+    @staticmethod
+    def level(in_flight: int) -> int:
+        """2-3 requests: 1, 4-7: 2, 8-15: 3, ... (below 2: 0)."""
+        return max(0, int(in_flight).bit_length() - 1)
+
+    def record(self, tokens: int) -> None:
+        """Tokens a round emitted (any request this router carries)."""
+        self._tokens += tokens
+
+    def mode(self, now: float, in_flight: int) -> str:
+        """The mode for a round starting now: "model" (the per-request policy decides) or "off"."""
+        level = self.level(in_flight) if in_flight >= self.min_in_flight else 0
+        if self._started is None:
+            self._start(now, level, "model" if level == 0 else self._next(level))
+        elif now - self._started >= self.epoch_s:
+            self._close(now, level)
+            self._start(now, level, "model" if level == 0 else self._next(level))
+        elif level != self._level:  # the load moved mid-epoch: this epoch measures nothing
+            self._start(now, level, "model" if level == 0 else self._next(level))
+        return self.current
+
+    def _start(self, now: float, level: int, mode: str) -> None:
+        self._started, self._level, self.current, self._tokens = now, level, mode, 0
+
+    def _close(self, now: float, level: int) -> None:
+        if self._level == level and self._level > 0:
+            goodput = self._tokens / max(now - self._started, 1e-9)
+            measured = self.levels.setdefault(level, _ModeGoodput())
+            last = getattr(measured, self.current)
+            setattr(measured, self.current, goodput if last is None else last + self.weight * (goodput - last))
+            measured.epochs += 1
+
+    def _next(self, level: int) -> str:
+        measured = self.levels.setdefault(level, _ModeGoodput())
+        if measured.model is None:
+            return "model"
+        if measured.off is None:
+            return "off"
+        if measured.off > measured.model * (1 + self.hysteresis):
+            best = "off"
+        elif measured.model > measured.off * (1 + self.hysteresis):
+            best = "model"
+        else:
+            best = self.current if self.current in ("model", "off") else "model"
+        if measured.epochs % self.explore_every == 0:
+            return "off" if best == "model" else "model"
         return best

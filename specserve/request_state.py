@@ -146,17 +146,23 @@ class RequestState:
         the same seed give different (equally exact) outputs."""
         return not self.params.greedy and self.params.seed is not None
 
-    def plan_round(self, policy: SpeculationPolicy, load: LoadModel, batch: float | None = None) -> Decision | None:
+    def plan_round(self, policy: SpeculationPolicy, load: LoadModel, batch: float | None = None,
+                   measured_off: bool = False) -> Decision | None:
         """Adaptive speculation: let the policy set this round's depth (0 = off) from the
-        request's acceptance and the pools' load. Fixed speculation: nothing to decide."""
+        request's acceptance and the pools' load; `measured_off`: the router measured that, at
+        this load, speculation off gives more (MeasuredModes), so this round does not speculate.
+        Fixed speculation: nothing to decide."""
         spec = self.speculation
         if not spec.adaptive or self.pinned_depth:
             return None
         if self.acceptance is None:
             self.acceptance = policy.tracker(f"{spec.proposer}/{spec.shape}", spec.depth)
         current = spec.depth if self.policy_k is None else self.policy_k
-        decision = policy.choose(self.acceptance, load, current=current, max_k=spec.depth, batch=batch,
-                                 draft_cost=spec.draft_cost)
+        if measured_off:
+            decision = Decision(0, {}, "measured")
+        else:
+            decision = policy.choose(self.acceptance, load, current=current, max_k=spec.depth, batch=batch,
+                                     draft_cost=spec.draft_cost)
         self.policy_k = decision.k
         if decision.k == 0:
             self.acceptance.relax()

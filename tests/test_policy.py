@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from specserve.policy import AcceptanceTracker, LoadModel, PolicyConfig, SpeculationPolicy, StepTimeModel
+from specserve.policy import (AcceptanceTracker, LoadModel, MeasuredModes, PolicyConfig, SpeculationPolicy,
+                              StepTimeModel)
 from specserve.protocol import SamplingParams, Speculation, TokenTree, VerifyResult
 from specserve.request_state import RequestState
 
@@ -250,3 +251,66 @@ def test_request_state_follows_the_policy_and_records_its_decisions():
     assert usage["speculation_off_share"] == 0.5
     assert sum(usage["k_histogram"].values()) == 2 and usage["k_histogram"]["0"] == 1
     assert usage["policy"] == "adaptive"
+
+
+def run_modes(modes: MeasuredModes, trace, rng: random.Random, noise: float = 0.2) -> list[tuple[int, str]]:
+    """Drive MeasuredModes through a trace of (in flight, goodput with the model's choice,
+    goodput with speculation off) per epoch, rounds of 0.25 s; returns (in flight, mode) per epoch."""
+    now, modes_run = 0.0, []
+    for in_flight, model_goodput, off_goodput in trace:
+        mode = modes.mode(now, in_flight)
+        modes_run.append((in_flight, mode))
+        epoch_end = now + modes.epoch_s
+        while now < epoch_end:
+            rate = model_goodput if mode == "model" else off_goodput
+            modes.record(round(rate * 0.25 * (1 + rng.uniform(-noise, noise))))
+            now += 0.25
+            if now < epoch_end:
+                assert modes.mode(now, in_flight) == mode  # one mode per epoch
+    return modes_run
+
+
+def test_measured_goodput_turns_speculation_off_where_it_loses_and_back_on_when_load_falls():
+    """At 8 requests speculating measures 20 tok/s and off 26 (the default pair on 2 cores, where
+    the per-round model sees too little of speculation's cost); alone, speculation wins."""
+    modes = MeasuredModes(epoch_s=2.0)
+    trace = [(1, 10, 7.5)] * 10 + [(8, 20, 26)] * 40 + [(1, 10, 7.5)] * 10
+    run = run_modes(modes, trace, random.Random(3))
+    assert all(mode == "model" for _, mode in run[:10])  # a lone request: the model decides, no exploring
+    loaded = [mode for _, mode in run[10:50]]
+    assert loaded[:2] == ["model", "off"]  # both measured first
+    assert loaded.count("off") >= 30  # then mostly off ...
+    assert 4 <= loaded.count("model") <= 10  # ... measuring the model again now and then
+    assert all(mode == "model" for _, mode in run[50:])  # load gone: back to the model
+
+
+def test_measured_goodput_keeps_the_model_where_speculation_wins_and_does_not_flap():
+    """Speculation 30% better at 4 requests, noisy epochs: off runs only to re-measure it."""
+    modes = MeasuredModes(epoch_s=2.0)
+    run = run_modes(modes, [(4, 13, 10)] * 60, random.Random(4), noise=0.3)
+    off = [i for i, (_, mode) in enumerate(run) if mode == "off"]
+    assert 1 <= len(off) <= 60 // modes.explore_every + 1
+    assert all(b - a > 1 for a, b in zip(off, off[1:]))  # never two off epochs in a row
+
+
+def test_an_epoch_whose_load_changed_measures_nothing():
+    modes = MeasuredModes(epoch_s=1.0)
+    assert modes.mode(0.0, 8) == "model"
+    modes.record(100)
+    assert modes.mode(0.5, 2) == "model"  # 8 -> 2 requests mid-epoch: dropped, a new epoch at 2
+    modes.record(100)
+    assert modes.mode(1.5, 2) == "off"
+    assert modes.levels[MeasuredModes.level(8)].model is None
+    assert modes.levels[MeasuredModes.level(2)].model == pytest.approx(100 / 1.0)
+
+
+def test_the_router_s_measured_off_turns_an_adaptive_request_off_but_not_an_explicit_setting():
+    policy, load = SpeculationPolicy(), loaded_model(random.Random(5))
+    adaptive = _state(Speculation(proposer="draft", k=4, policy="adaptive"))
+    adaptive.acceptance = measured(0.9)
+    assert adaptive.plan_round(policy, load, batch=1).k > 0
+    decision = adaptive.plan_round(policy, load, batch=1, measured_off=True)
+    assert (decision.k, decision.reason, adaptive.round_k()) == (0, "measured", 0)
+    assert adaptive.plan_round(policy, load, batch=1).k > 0  # the next epoch's model choice
+    fixed = _state(Speculation(proposer="draft", k=4))
+    assert fixed.plan_round(policy, load, batch=1, measured_off=True) is None and fixed.round_k() == 4

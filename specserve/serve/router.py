@@ -33,7 +33,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.engine import adapt_speculation, sampling_refusal
-from specserve.policy import LoadModel, SpeculationPolicy
+from specserve.policy import LoadModel, MeasuredModes, SpeculationPolicy
 from specserve.protocol import (
     DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, VerifyRequest, VerifyResult,
 )
@@ -126,6 +126,8 @@ class Router(GrpcApi):
         # Load-aware speculation: the policy, and the pools' load as their replies report it.
         self.policy = SpeculationPolicy()
         self.load = LoadModel()
+        self.modes = MeasuredModes()  # the model, checked against measured goodput at each load
+        self.in_rounds = 0  # requests running rounds here
         # Prompt lookup runs here, on the token ids the router holds: proposer `ngram`, and the
         # fallback while the draft pool is down.
         self.ngram = NgramProposer(max_n=self.spec.ngram.max_n, min_n=self.spec.ngram.min_n)
@@ -213,10 +215,12 @@ class Router(GrpcApi):
             raise DeadlineExceeded(deadline_message(state.timeout_s, len(state.output_ids))) from None
 
     async def _rounds(self, state: RequestState, deadline: float | None = None) -> AsyncIterator[list[int]]:
+        self.in_rounds += 1
         try:
             while not state.finished:
                 started = time.perf_counter()
-                state.plan_round(self.policy, self.load)
+                mode = self.modes.mode(time.monotonic(), self.in_rounds)
+                state.plan_round(self.policy, self.load, measured_off=mode == "off")
                 draft_call = state.needs_proposer and state.speculation.draft_cost == "pool"
                 if state.needs_proposer:  # a draft pool's round, or prompt lookup
                     proposal = await self._before(deadline, state, self._propose(state.propose_request(),
@@ -231,10 +235,12 @@ class Router(GrpcApi):
                 self._observe_load(result, proposal, overhead, draft_call)
                 counts = SpecCounts.of(state.stats)
                 emitted = state.commit(result, verify.draft)
+                self.modes.record(len(emitted))
                 self.metrics.round(state.speculation.proposer, counts, SpecCounts.of(state.stats))
                 state.finish_at_stop_string(self.codec.decode)
                 yield emitted
         finally:
+            self.in_rounds -= 1
             self._release(state)
 
     def _observe_load(self, result: VerifyResult, proposal: Proposal | None, overhead_s: float,
