@@ -37,7 +37,8 @@ def grpc_stream(target: str, application: str | None) -> tuple[StreamReply, Call
 def http_stream(base: str) -> tuple[StreamReply, Callable[[], list[str]]]:
     """The OpenAI-compatible API with the standard library (SSE lines `data: {...}`)."""
     base = base.rstrip("/")
-    auth = {"authorization": f"Bearer {api_key()}"} if api_key() else {}
+    key = api_key()
+    auth = {"authorization": f"Bearer {key}"} if key else {}
 
     def reply(model: str, messages: list[dict], params: dict) -> Iterator[str]:
         body = json.dumps({"model": model, "messages": messages, "stream": True, **params}).encode()

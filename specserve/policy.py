@@ -329,12 +329,10 @@ class MeasuredModes:
     def mode(self, now: float, in_flight: int) -> str:
         """The mode for a round starting now: "model" (the per-request policy decides) or "off"."""
         level = self.level(in_flight) if in_flight >= self.min_in_flight else 0
-        if self._started is None:
-            self._start(now, level, "model" if level == 0 else self._next(level))
-        elif now - self._started >= self.epoch_s:
-            self._close(now, level)
-            self._start(now, level, "model" if level == 0 else self._next(level))
-        elif level != self._level:  # the load moved mid-epoch: this epoch measures nothing
+        ended = self._started is not None and now - self._started >= self.epoch_s
+        if ended:
+            self._close(now, level)  # measures only an epoch that stayed at its level
+        if self._started is None or ended or level != self._level:  # (the load moved mid-epoch: a new one)
             self._start(now, level, "model" if level == 0 else self._next(level))
         return self.current
 
@@ -360,7 +358,7 @@ class MeasuredModes:
         elif measured.model > measured.off * (1 + self.hysteresis):
             best = "model"
         else:
-            best = self.current if self.current in ("model", "off") else "model"
+            best = self.current
         if measured.epochs % self.explore_every == 0:
             return "off" if best == "model" else "model"
         return best

@@ -74,8 +74,7 @@ class _Pool:
         cutoff = time.monotonic() - self.args.get("abandoned_cache_s", 300)
         abandoned = [rid for rid, t in self._last_call.items() if t < cutoff]
         for request_id in abandoned:
-            self._last_call.pop(request_id, None)
-            await self.engine.release(request_id)
+            await self.release(request_id)
         if abandoned:
             logger.info("released the caches of %d abandoned requests", len(abandoned))
         return len(abandoned)
