@@ -22,7 +22,9 @@ goodput if every request in the batch did the same:
 and picks the best, with hysteresis: it changes k only for a gain of more than `hysteresis`
 over the current choice, and never keeps a k > 0 that its own model says loses to k = 0.
 A position that is never drafted is never measured, so every `probe_every` rounds the policy
-drafts one level deeper than its choice, when its model says that level still beats k = 0.
+drafts one level deeper than its choice, when its model says that level still beats k = 0 (or,
+from k = 0, when one level would beat k = 0 at the prior acceptance: a request that turned
+speculation off must be able to find out that it should turn it back on).
 Pure and torch-free: the router and the library decoder feed it.
 
     >>> policy = SpeculationPolicy(PolicyConfig())
@@ -55,6 +57,9 @@ class PolicyConfig:
     # Every this many rounds without a draft at depth k+1, draft one level deeper than the
     # model's choice (when that still beats no speculation): a position never drafted is never
     # measured, so an early unlucky estimate would otherwise pin k below its best for good.
+    # From off it probes one level when that level would win at the prior acceptance: off,
+    # nothing is drafted and nothing measured, so an estimate that a stretch of bad prompts or
+    # load left low would otherwise keep speculation off for good.
     probe_every: int = 16
 
 
@@ -190,6 +195,9 @@ class AcceptanceTracker:
         self.rates = [r + step * ((shared[d] if d < len(shared) else self.prior) - r)
                       for d, r in enumerate(self.rates)]
 
+    def rate(self, position: int) -> float:
+        return self.rates[position] if position < len(self.rates) else self.prior
+
     def age(self, position: int) -> float:
         """Rounds since a draft last reached `position` (never: infinity)."""
         return self.ages[position] if position < len(self.ages) else math.inf
@@ -251,14 +259,18 @@ class SpeculationPolicy:
         if acceptance.rounds < self.config.warmup_rounds or not load.target.observed:
             return Decision(max_k, {}, "warmup")
         batch = load.batch_ema if batch is None else batch
-        goodput = {}
+        goodput, seconds = {}, {}
         for k in range(max_k + 1):
             width = acceptance.nodes_per_level
-            seconds = self.round_seconds(k, load, batch, nodes=k * width, width=width, draft_cost=draft_cost)
-            goodput[k] = acceptance.expected_tokens(k) / seconds if seconds > 0 else 0.0
+            seconds[k] = self.round_seconds(k, load, batch, nodes=k * width, width=width, draft_cost=draft_cost)
+            goodput[k] = acceptance.expected_tokens(k) / seconds[k] if seconds[k] > 0 else 0.0
         k = self._pick(goodput, min(current, max_k))
-        if k < max_k and goodput[k + 1] > goodput[0] and acceptance.age(k) >= self.config.probe_every:
-            return Decision(k + 1, goodput, "probe")
+        if k < max_k and acceptance.age(k) >= self.config.probe_every:
+            # one level deeper, to measure it: when the model says it beats no speculation, or
+            # (from off, where nothing is measured) when it would at the prior acceptance
+            hopeful = goodput[1] if k else (1.0 + max(acceptance.rate(0), acceptance.prior)) / seconds[1]
+            if (goodput[k + 1] if k else hopeful) > goodput[0]:
+                return Decision(k + 1, goodput, "probe")
         return Decision(k, goodput, "model")
 
     def _pick(self, goodput: dict[int, float], current: int) -> int:

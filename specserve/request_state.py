@@ -36,6 +36,8 @@ class SpecStats:
     generated_tokens: int = 0
     # Rounds per drafted depth: k_histogram[k] rounds drafted k levels (0: no speculation).
     k_histogram: list[int] = field(default_factory=list)
+    # The load-aware policy: rounds per reason for its choice (warmup | model | probe | measured).
+    policy_decisions: dict[str, int] = field(default_factory=dict)
     # Serving only: wall time of pool calls minus the pools' compute time (transport, queueing).
     round_trip_overhead_s: float = 0.0
 
@@ -55,6 +57,8 @@ class SpecStats:
         self.num_accepted_tokens += other.num_accepted_tokens
         self.generated_tokens += other.generated_tokens
         self.round_trip_overhead_s += other.round_trip_overhead_s
+        for reason, rounds in other.policy_decisions.items():
+            self.policy_decisions[reason] = self.policy_decisions.get(reason, 0) + rounds
         for mine, theirs in ((self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos),
                              (self.k_histogram, other.k_histogram),
                              (self.num_accepted_tokens_per_rank, other.num_accepted_tokens_per_rank),
@@ -75,6 +79,7 @@ class SpecStats:
             "k_histogram": {str(k): n for k, n in enumerate(self.k_histogram) if n},
             "speculation_off_share": round(self.k_histogram[0] / sum(self.k_histogram), 4)
             if self.k_histogram and sum(self.k_histogram) else 0.0,
+            "policy_decisions": dict(self.policy_decisions),
             "round_trip_overhead_ms_per_round": round(
                 1000 * self.round_trip_overhead_s / self.target_steps if self.target_steps else 0.0, 3),
         }
@@ -164,6 +169,7 @@ class RequestState:
             decision = policy.choose(self.acceptance, load, current=current, max_k=spec.depth, batch=batch,
                                      draft_cost=spec.draft_cost)
         self.policy_k = decision.k
+        self.stats.policy_decisions[decision.reason] = self.stats.policy_decisions.get(decision.reason, 0) + 1
         if decision.k == 0:
             self.acceptance.relax()
         return decision

@@ -314,3 +314,39 @@ def test_the_router_s_measured_off_turns_an_adaptive_request_off_but_not_an_expl
     assert adaptive.plan_round(policy, load, batch=1).k > 0  # the next epoch's model choice
     fixed = _state(Speculation(proposer="draft", k=4))
     assert fixed.plan_round(policy, load, batch=1, measured_off=True) is None and fixed.round_k() == 4
+
+
+def test_a_request_turned_off_by_an_unlucky_estimate_comes_back():
+    """Drafts are accepted 80% of the time, but the deployment's estimate says 10% (what a
+    stretch of bad prompts left): at batch 1 the model turns speculation off. Off, nothing is
+    drafted and nothing measured, so only probing from off can bring it back, and it does."""
+    rng = random.Random(12)
+    load = loaded_model(rng)
+    policy = SpeculationPolicy()
+    shared = policy.tracker("draft/chain", 2).shared
+    shared.rates, shared.ages, shared.rounds = [0.1, 0.1], [0, 0], 50
+    tracker = policy.tracker("draft/chain", 2)
+    assert policy.choose(tracker, load, current=2, max_k=2, batch=1).k == 0
+    ks, reasons = [], set()
+    k = 0
+    for _ in range(300):
+        decision = policy.choose(tracker, load, current=k, max_k=2, batch=1)
+        k = decision.k
+        ks.append(k)
+        reasons.add(decision.reason)
+        if k == 0:
+            tracker.relax()
+        else:
+            drafted_round(tracker, k, 0.8, rng)
+    assert "probe" in reasons and ks[-50:].count(0) == 0  # back on, for good
+    assert shared.rates[0] > 0.5  # and the deployment learned it too
+
+
+def test_no_probing_from_off_when_speculation_clearly_loses():
+    """Saturated (batch 64, the draft pool's steps on top): one drafted level loses to no
+    speculation even at the prior acceptance, so the policy stays off and does not probe."""
+    load = loaded_model(random.Random(13))
+    tracker = measured(0.5)
+    tracker.ages = [10 ** 6] * 8
+    decision = SpeculationPolicy().choose(tracker, load, current=0, max_k=4, batch=64)
+    assert decision.k == 0 and decision.reason == "model"

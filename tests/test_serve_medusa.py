@@ -100,15 +100,16 @@ def test_a_burst_turns_speculation_off_and_it_comes_back(medusa_client, referenc
     alone = [run(PROMPTS[0]) for _ in range(2)][-1]  # the second: the load model has seen the first
     with ThreadPoolExecutor(12) as pool:  # the router takes 8 at once and queues 8
         burst = list(pool.map(run, PROMPTS * 3))
-    again = [run(PROMPTS[0]) for _ in range(3)][-1]
+    again = [run(PROMPTS[0]) for _ in range(3)]
     expected = {p: greedy_text(tokenizer.encode(p), 48) for p in PROMPTS}
     assert [text for text, _ in burst] == [expected[p] for p in PROMPTS * 3]
-    assert alone[0] == again[0] == expected[PROMPTS[0]]
+    assert alone[0] == expected[PROMPTS[0]] and all(text == expected[PROMPTS[0]] for text, _ in again)
     burst_off = sum(spec["speculation_off_share"] for _, spec in burst) / len(burst)
-    alone_off, again_off = alone[1]["speculation_off_share"], again[1]["speculation_off_share"]
+    alone_off = alone[1]["speculation_off_share"]
+    again_off = min(spec["speculation_off_share"] for _, spec in again)  # back on within three requests
     assert alone[1]["policy"] == "adaptive" and alone_off < 0.3, alone[1]
-    assert burst_off > max(0.3, alone_off + 0.15), [spec["k_histogram"] for _, spec in burst]
-    assert again_off < min(0.3, burst_off - 0.15), again[1]
+    assert burst_off > max(0.3, alone_off + 0.15), [spec["policy_decisions"] for _, spec in burst]
+    assert again_off < min(0.3, burst_off - 0.15), [spec for _, spec in again]
 
 
 def test_typical_acceptance_is_labelled_lossy_over_http(medusa_client):
