@@ -9,13 +9,19 @@ requests from keyword arguments and names the Serve application in the call meta
 
 `api_key` sends `authorization: Bearer <key>` with every call (deployments with `auth:`), and
 `timeout_s=` asks the server for a deadline of its own (up to the deployment's cap).
+`resumes=N` on a stream survives the loss of the router replica that carried it: when the stream
+breaks (UNAVAILABLE, UNKNOWN or INTERNAL) the request is sent again with the token ids already
+received (`resume_token_ids`), up to N times, and the caller sees one unbroken stream; greedy, it
+is the stream an unbroken call would have given.
 Errors arrive as grpc.RpcError with the server's status code (INVALID_ARGUMENT, NOT_FOUND,
 RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, UNAUTHENTICATED).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 
@@ -69,6 +75,64 @@ def chat_request(model: str, messages: list[dict], spec: dict | None = None, tim
                           sampling=sampling(**params), speculation=speculation(spec), timeout_s=timeout_s)
 
 
+# How a stream breaks when the router replica carrying it dies (or the proxy cannot reach one
+# yet); refusals (INVALID_ARGUMENT, NOT_FOUND, ...) and the caller's own deadline or
+# cancellation are never resumed.
+RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+
+
+class ResumingStream:
+    """A server stream that resumes where it broke: see the module's `resumes=`. Iterate it for
+    the deltas; `cancel()` ends it; `resumed` counts the resumptions so far."""
+
+    def __init__(self, start: Callable, request, resumes: int, wait_s: float = 1.0):
+        self._start, self.request, self.resumes, self.wait_s = start, request, resumes, wait_s
+        self.resumed = 0
+        self._call = None
+        self._cancelled = False
+
+    def _resume_or_raise(self, err: grpc.RpcError, received: list[int]) -> None:
+        if self._cancelled or err.code() not in RESUMABLE or self.resumed >= self.resumes:
+            raise err
+        self.resumed += 1
+        del self.request.resume_token_ids[:]
+        self.request.resume_token_ids.extend(received)
+
+    def __iter__(self) -> Iterator[pb.GenerateResponse]:
+        received: list[int] = []
+        while True:
+            self._call = self._start(self.request)
+            try:
+                for message in self._call:
+                    received.extend(message.token_ids)
+                    yield message
+                return
+            except grpc.RpcError as err:
+                self._resume_or_raise(err, received)
+            time.sleep(self.wait_s)  # Serve notices the dead replica and routes to another
+
+    def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[pb.GenerateResponse]:
+        received: list[int] = []
+        while True:
+            self._call = self._start(self.request)
+            try:
+                async for message in self._call:
+                    received.extend(message.token_ids)
+                    yield message
+                return
+            except grpc.RpcError as err:
+                self._resume_or_raise(err, received)
+            await asyncio.sleep(self.wait_s)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+
+
 def _metadata(application: str | None, api_key: str | None = None) -> tuple:
     return ((("application", application),) if application else ()) + (
         (("authorization", f"Bearer {api_key}"),) if api_key else ())
@@ -90,17 +154,22 @@ class Client:
         return self.stub.Generate(generate_request(model, prompt, speculation, **params), **self.call)
 
     def generate_stream(self, model: str, prompt: str | list[int], *, speculation: dict | None = None,
-                        **params) -> Iterator[pb.GenerateResponse]:
+                        resumes: int = 0, **params) -> Iterator[pb.GenerateResponse]:
         """The deltas; the returned iterator is also the call (`.cancel()` ends it)."""
-        return self.stub.GenerateStream(generate_request(model, prompt, speculation, **params), **self.call)
+        return self._stream(self.stub.GenerateStream, generate_request(model, prompt, speculation, **params), resumes)
 
     def chat(self, model: str, messages: list[dict], *, speculation: dict | None = None,
              **params) -> pb.GenerateResponse:
         return self.stub.Chat(chat_request(model, messages, speculation, **params), **self.call)
 
     def chat_stream(self, model: str, messages: list[dict], *, speculation: dict | None = None,
-                    **params) -> Iterator[pb.GenerateResponse]:
-        return self.stub.ChatStream(chat_request(model, messages, speculation, **params), **self.call)
+                    resumes: int = 0, **params) -> Iterator[pb.GenerateResponse]:
+        return self._stream(self.stub.ChatStream, chat_request(model, messages, speculation, **params), resumes)
+
+    def _stream(self, method, request, resumes: int):
+        if not resumes:
+            return method(request, **self.call)
+        return ResumingStream(lambda r: method(r, **self.call), request, resumes)
 
     def models(self) -> list[str]:
         return list(self.stub.Models(pb.ModelsRequest(), **self.call).models)
@@ -132,16 +201,18 @@ class AsyncClient:
         return await self.stub.Generate(generate_request(model, prompt, speculation, **params), **self.call)
 
     def generate_stream(self, model: str, prompt: str | list[int], *, speculation: dict | None = None,
-                        **params) -> AsyncIterator[pb.GenerateResponse]:
-        return self.stub.GenerateStream(generate_request(model, prompt, speculation, **params), **self.call)
+                        resumes: int = 0, **params) -> AsyncIterator[pb.GenerateResponse]:
+        return self._stream(self.stub.GenerateStream, generate_request(model, prompt, speculation, **params), resumes)
 
     async def chat(self, model: str, messages: list[dict], *, speculation: dict | None = None,
                    **params) -> pb.GenerateResponse:
         return await self.stub.Chat(chat_request(model, messages, speculation, **params), **self.call)
 
     def chat_stream(self, model: str, messages: list[dict], *, speculation: dict | None = None,
-                    **params) -> AsyncIterator[pb.GenerateResponse]:
-        return self.stub.ChatStream(chat_request(model, messages, speculation, **params), **self.call)
+                    resumes: int = 0, **params) -> AsyncIterator[pb.GenerateResponse]:
+        return self._stream(self.stub.ChatStream, chat_request(model, messages, speculation, **params), resumes)
+
+    _stream = Client._stream
 
     async def models(self) -> list[str]:
         return list((await self.stub.Models(pb.ModelsRequest(), **self.call)).models)

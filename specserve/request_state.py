@@ -247,6 +247,24 @@ class RequestState:
             self.finish_reason = "length"
         return emitted
 
+    def resume(self, token_ids: list[int], decode) -> None:
+        """Continue an interrupted generation of this same request: `token_ids` are what an
+        earlier run of it already sent. They become the start of the output (they count against
+        max_tokens, and EOS, stop ids and stop strings end the request as if it had generated
+        them) and the rounds continue after them. Greedy, the continuation is the one the
+        interrupted run would have made; sampled, it is drawn from the target's distribution
+        given them (a seed's draws restart, so a seeded run differs from an uninterrupted one)."""
+        for n, token in enumerate(token_ids):
+            if self.finished:
+                raise SpecserveError(f"resume_token_ids go on after the generation ended at token {n} "
+                                     f"({self.finish_reason}): send only the tokens the interrupted stream sent")
+            self.output_ids.append(token)
+            if (not self.params.ignore_eos and token in self.eos_token_ids) or token in self.params.stop_token_ids:
+                self.finish_reason = "stop"
+            elif self.room() <= 0:
+                self.finish_reason = "length"
+        self.finish_at_stop_string(decode)
+
     def finish_at_stop_string(self, decode) -> str | None:
         """If the decoded output contains a stop string, cut the output after the token that
         completes the earliest one and return the text before it (OpenAI semantics: the stop

@@ -3,8 +3,10 @@ so that killing its replicas leaves the tier's main app alone: SmolLM2 target po
 replicas, a draft pool, two routers (killing one leaves another).
 
 - 1,000 cancelled requests of every kind leave no cached request in any pool;
+- a stream resumed from any point (`resume_token_ids`) continues exactly where it broke;
 - killing a draft, a target or a router replica under load: the guarantees DESIGN.md makes
-  (specserve.benchmarks.faults runs the same injections at a larger scale).
+  (specserve.benchmarks.faults runs the same injections at a larger scale); streams on a killed
+  router are resumed by their clients and complete exactly.
 """
 
 from __future__ import annotations
@@ -203,21 +205,97 @@ def fault_reference(reference):
     return expected_texts(reference, FAULT_PROMPTS, FAULT_TOKENS)
 
 
+def sse_chunks(body: dict) -> list[dict]:
+    """A streamed completion's choices, in order (one per data line with choices)."""
+    import json
+
+    with httpx.stream("POST", f"{URL}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return [json.loads(line)["choices"][0] for line in lines if json.loads(line).get("choices")]
+
+
+@pytest.mark.parametrize("stop", [None, [" and"]])
+def test_a_stream_resumed_anywhere_continues_where_it_broke(hardening, stop):
+    """What a client that lost its router does: send the request again with the token ids it
+    received. The text it then receives, after the text it had, is the unbroken stream's text,
+    from every chunk boundary (stop strings included: what the broken stream held back comes in
+    the resumed one). A non-streamed resume returns the whole completion."""
+    body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "stop": stop,
+            "return_token_ids": True}
+    whole = sse_chunks(body)
+    text, ids = "".join(c["text"] for c in whole), [t for c in whole for t in c.get("token_ids", [])]
+    assert ids and text
+    for cut in sorted({1, 2, len(whole) // 2, len(whole) - 2}):
+        had = whole[:cut]
+        had_ids = [t for c in had for t in c.get("token_ids", [])]
+        rest = sse_chunks({**body, "resume_token_ids": had_ids})
+        assert "".join(c["text"] for c in had) + "".join(c["text"] for c in rest) == text, cut
+        assert had_ids + [t for c in rest for t in c.get("token_ids", [])] == ids, cut
+        assert rest[-1]["finish_reason"] == whole[-1]["finish_reason"]
+    r = httpx.post(f"{URL}/v1/completions", json={**body, "resume_token_ids": ids[:5]}, timeout=120).json()
+    assert r["choices"][0]["text"] == text and r["choices"][0]["token_ids"] == ids
+    assert r["usage"]["completion_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("resume, message", [
+    ([10 ** 9], "outside the vocabulary"),
+    ([0] * 41, "go on after the generation ended"),
+])
+def test_a_bad_resume_gets_a_400(hardening, resume, message):
+    r = httpx.post(f"{URL}/v1/completions", timeout=60, json={
+        "model": "smol", "prompt": "Hi", "max_tokens": 40, "resume_token_ids": resume, "ignore_eos": True})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("kind", ["draft", "target", "router"])
 def test_killing_a_replica_under_load(hardening, fault_reference, kind):
     """draft or target killed: every stream completes exactly (prompt lookup while the draft is
-    down; the round retried on the other target). Router killed: a stream it carried may fail,
-    with an error its client sees, never a hang or a wrong token; the rest complete exactly.
-    Afterwards Serve runs the replica count again, fresh requests are exact, no cache is left."""
+    down; the round retried on the other target). Router killed: the streams it carried break,
+    never hang or get a wrong token, and their clients resume them on the other router, so they
+    complete exactly too. Afterwards Serve runs the replica count again, fresh requests are exact,
+    no cache is left."""
     run = faults.run_fault(kind, url=URL, app=APP, model="smol", prompts=FAULT_PROMPTS, max_tokens=FAULT_TOKENS,
-                           reference=fault_reference, timeout_s=180)
+                           reference=fault_reference, timeout_s=180, resumes=3)
     print(run)
     assert run.killed and run.open_at_kill > 0
     assert run.hung == 0 and run.inexact == 0, run.errors
-    if kind == "router":
-        assert run.exact + run.failed == run.streams
-    else:
-        assert run.exact == run.streams, run.errors
+    assert run.exact == run.streams, run.errors
+    if kind != "router":
+        assert run.resumed == 0, run.errors  # the router hid those faults by itself
     assert run.recovered_s is not None
     assert run.after_ok == run.after_sent
     assert run.cached_after == 0
+
+
+def test_grpc_streams_on_a_killed_router_are_resumed_by_the_client(hardening, fault_reference):
+    """The same through Serve's gRPC proxy with `specserve.client`: streams with `resumes=3`
+    whose router is killed mid-way complete, each exactly the target's greedy text."""
+    import threading
+
+    from specserve.client import Client
+
+    begun = threading.Barrier(len(FAULT_PROMPTS) + 1, timeout=120)
+    results: dict[str, tuple[str, int]] = {}
+
+    def read(client: Client, prompt: str) -> None:
+        stream = client.generate_stream("smol", prompt, max_tokens=FAULT_TOKENS, temperature=0, resumes=3)
+        text = ""
+        for n, delta in enumerate(stream):
+            text += delta.text
+            if n == 0:
+                begun.wait()
+        results[prompt] = (text, stream.resumed)
+
+    with Client(GRPC_TARGET, application=APP, timeout=180) as client:
+        threads = [threading.Thread(target=read, args=(client, p)) for p in FAULT_PROMPTS]
+        for t in threads:
+            t.start()
+        begun.wait()
+        assert rel.wait_until(lambda: len(rel.replicas(APP)["Router"]) == 2, 60)
+        rel.kill(random.choice(rel.replicas(APP)["Router"]))
+        for t in threads:
+            t.join(200)
+    print({p: resumed for p, (_, resumed) in results.items()})
+    assert {p: text for p, (text, _) in results.items()} == fault_reference
+    assert rel.wait_until(lambda: rel.running_replica_counts(APP).get("Router") == 2, 120)

@@ -32,12 +32,13 @@ def test_soak_report_names_leaks_and_failures():
 
 def test_fault_report_sums_runs_per_kind():
     runs = [faults.FaultRun("draft", 4, completed=4, exact=4, after_ok=4, after_sent=4, recovered_s=3.0, cached_after=0),
-            faults.FaultRun("router", 4, completed=2, exact=2, failed=2, after_ok=4, after_sent=4, recovered_s=5.5,
-                            cached_after=0, errors=["ended without [DONE] after 3 chunks"])]
+            faults.FaultRun("router", 4, completed=3, exact=3, resumed=2, failed=1, after_ok=4, after_sent=4,
+                            recovered_s=5.5, cached_after=0, errors=["ended without [DONE] after 3 chunks"])]
     text = faults.markdown(runs, {"command": "faults", "streams": 4, "max_tokens": 32, "rounds": 1, "model": "m",
-                                  "seconds": 10})
-    assert "| draft | 1 | 4 | 4 | 4 | 0 | 0 | 0 | 4/4 | 3.0 | 0 |" in text
-    assert "| router | 1 | 4 | 2 | 2 | 2 | 0 | 0 | 4/4 | 5.5 | 0 |" in text and "without [DONE]" in text
+                                  "seconds": 10, "resumes": 1})
+    assert "| draft | 1 | 4 | 4 | 4 | 0 | 0 | 0 | 0 | 4/4 | 3.0 | 0 |" in text
+    assert "| router | 1 | 4 | 3 | 3 | 2 | 1 | 0 | 0 | 4/4 | 5.5 | 0 |" in text and "without [DONE]" in text
+    assert "resume a broken stream up to 1 time(s)" in text
 
 
 def test_fuzz_report_counts_failures():

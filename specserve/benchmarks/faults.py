@@ -1,7 +1,7 @@
 """Fault injection under load: kill a draft, a target or a router replica while streams run, and
 count what the clients saw.
 
-    python -m specserve.benchmarks.faults [--rounds 3] [--streams 8] [--max-tokens 96] [--out DIR]
+    python -m specserve.benchmarks.faults [--rounds 3] [--streams 8] [--max-tokens 96] [--resumes 3] [--out DIR]
 
 Starts its own local Ray cluster (HTTP and gRPC on --port and --port + 1000, never the default
 ones) with a SmolLM2 app of 2 target, 1 draft and 2 router replicas, or drives an app already
@@ -13,8 +13,10 @@ faults.json and faults.md into --out.
 The guarantees checked (tests/test_hardening.py asserts them at a small scale):
 - draft killed: every stream completes, exactly (a failed draft call drafts by prompt lookup);
 - target killed: every stream completes, exactly (the round is retried on the other target);
-- router killed: streams on that router may fail, with an error the client sees (no [DONE]),
-  never a hang or a wrong token; streams on the other router complete exactly; new requests
+- router killed: the streams on that router break (no [DONE]), never hang or get a wrong token;
+  clients that resume (`--resumes N`: send the request again with the token ids received,
+  `resume_token_ids`) complete them exactly on another router; with `--resumes 0` they fail
+  with an error the client sees. Streams on the other router complete exactly; new requests
   succeed after the replacement starts; the pools release the dead router's caches once no call
   has touched them for `abandoned_cache_s` (20 s in the local app; the report counts what is
   left a minute after the fresh requests, so a connected app with the 300 s default shows them).
@@ -47,6 +49,7 @@ class FaultRun:
     completed: int = 0
     exact: int = 0
     failed: int = 0  # ended with an error the client saw
+    resumed: int = 0  # streams that broke and were resumed by their client (see `resumes`)
     hung: int = 0  # no end within the stream timeout
     inexact: int = 0  # completed with text other than the target's: never acceptable
     killed: str = ""  # "Deployment replica-id"
@@ -72,7 +75,7 @@ def choose_victim(app: str, kind: str) -> rel.Replica:
 
 
 async def _streams_with_a_kill(url: str, model: str, prompts: list[str], max_tokens: int, app: str, kind: str,
-                               run: FaultRun, timeout_s: float) -> list[rel.StreamOutcome]:
+                               run: FaultRun, timeout_s: float, resumes: int) -> list[rel.StreamOutcome]:
     """Start every stream; once each has sent a chunk, kill a replica (off the event loop, so
     the streams keep being read)."""
     import httpx
@@ -101,7 +104,8 @@ async def _streams_with_a_kill(url: str, model: str, prompts: list[str], max_tok
 
     async def stream(http, i, body):
         try:
-            return await rel.stream_completion(http, url, body, on_chunk=on_chunk_of(i), timeout_s=timeout_s)
+            return await rel.stream_completion(http, url, body, on_chunk=on_chunk_of(i), timeout_s=timeout_s,
+                                               resumes=resumes)
         finally:
             ended.add(i)
 
@@ -132,9 +136,11 @@ def recovered(app: str, killed: str, expected_counts: dict[str, int]) -> bool:
 
 
 def run_fault(kind: str, *, url: str, app: str, model: str, prompts: list[str], max_tokens: int,
-              reference: dict[str, str], timeout_s: float = 240, recovery_timeout_s: float = 180) -> FaultRun:
+              reference: dict[str, str], timeout_s: float = 240, recovery_timeout_s: float = 180,
+              resumes: int = 0) -> FaultRun:
     """One injection: streams, a kill mid-way, the outcome of each stream, Serve's recovery,
-    fresh requests after it, and the caches left in the pools."""
+    fresh requests after it, and the caches left in the pools. `resumes`: how many times each
+    stream's client resumes it where it broke."""
     expected_counts = rel.running_replica_counts(app)
     run = FaultRun(kind, len(prompts))
     phase = time.monotonic()
@@ -144,9 +150,11 @@ def run_fault(kind: str, *, url: str, app: str, model: str, prompts: list[str], 
         run.phases_s[name] = round(time.monotonic() - phase, 1)
         phase = time.monotonic()
 
-    outcomes = asyncio.run(_streams_with_a_kill(url, model, prompts, max_tokens, app, kind, run, timeout_s))
+    outcomes = asyncio.run(_streams_with_a_kill(url, model, prompts, max_tokens, app, kind, run, timeout_s, resumes))
     lap("streams")
     for prompt, o in zip(prompts, outcomes, strict=True):
+        run.resumed += bool(o.interruptions)
+        run.errors += [f"resumed after: {reason}" for reason in o.interruptions]
         if o.completed:
             run.completed += 1
             if o.text == reference[prompt]:
@@ -177,10 +185,10 @@ def markdown(runs: list[FaultRun], config: dict) -> str:
     lines = ["# Fault injection under load", "",
              f"`{config['command']}`: {config['streams']} greedy streams of {config['max_tokens']} tokens per "
              f"injection, {config['rounds']} round(s) per kind, model {config['model']}, "
-             f"{config['seconds']:.0f} s in all.", "",
-             "| killed | runs | streams | completed | exact | failed (clean error) | hung | inexact | "
-             "fresh requests after recovery ok | recovery s (max) | caches left |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{config['seconds']:.0f} s in all; clients resume a broken stream up to {config['resumes']} time(s).", "",
+             "| killed | runs | streams | completed | exact | resumed by the client | failed (clean error) | hung | "
+             "inexact | fresh requests after recovery ok | recovery s (max) | caches left |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for kind in KINDS:
         rows = [r for r in runs if r.kind == kind]
         if not rows:
@@ -188,7 +196,7 @@ def markdown(runs: list[FaultRun], config: dict) -> str:
         recovery = [r.recovered_s for r in rows if r.recovered_s is not None]
         lines.append(
             f"| {kind} | {len(rows)} | {sum(r.streams for r in rows)} | {sum(r.completed for r in rows)} | "
-            f"{sum(r.exact for r in rows)} | {sum(r.failed for r in rows)} | {sum(r.hung for r in rows)} | "
+            f"{sum(r.exact for r in rows)} | {sum(r.resumed for r in rows)} | {sum(r.failed for r in rows)} | {sum(r.hung for r in rows)} | "
             f"{sum(r.inexact for r in rows)} | {sum(r.after_ok for r in rows)}/{sum(r.after_sent for r in rows)} | "
             f"{max(recovery) if recovery else 'not recovered'} | {sum(r.cached_after or 0 for r in rows)} |")
     errors = sorted({e[:160] for r in runs for e in r.errors})
@@ -202,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="injections per kind")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--resumes", type=int, default=3,
+                        help="times a client resumes a broken stream (0: it fails, as a plain client's would)")
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     parser.add_argument("--model", default=rel.SMOL, help="target model (and draft, with the local app)")
     parser.add_argument("--port", type=int, default=8975, help="HTTP port of the local cluster (gRPC: +1000)")
@@ -230,12 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         for round_ in range(args.rounds):
             for kind in args.kinds:
                 run = run_fault(kind, url=url, app=args.app, model=args.served_name, prompts=prompts,
-                                max_tokens=args.max_tokens, reference=reference)
+                                max_tokens=args.max_tokens, reference=reference, resumes=args.resumes)
                 runs.append(run)
                 print(json.dumps({"round": round_, **asdict(run)}), flush=True)
     command = " ".join(sys.argv[1:] if argv is None else argv)
     config = {"command": f"python -m specserve.benchmarks.faults {command}".strip(), "streams": args.streams,
-              "max_tokens": args.max_tokens, "rounds": args.rounds, "model": args.model,
+              "max_tokens": args.max_tokens, "rounds": args.rounds, "model": args.model, "resumes": args.resumes,
               "seconds": time.monotonic() - started}
     (out / "faults.json").write_text(json.dumps({"config": config, "runs": [asdict(r) for r in runs]}, indent=1))
     (out / "faults.md").write_text(markdown(runs, config))

@@ -6,7 +6,8 @@ faults, soak and fuzz scripts (`python -m specserve.benchmarks.faults|soak|fuzz`
 - the replicas of an app as the Serve controller lists them, killed with `ray.kill` and asked
   their memory with `__ray_call__` (no dashboard needed: `ray.util.state` is not);
 - the pools' cached-request counts, read from every live replica (the leak the checks look for);
-- one HTTP stream, read to its end or to a failure, with the outcome a client would see.
+- one HTTP stream, read to its end or to a failure, with the outcome a client would see
+  (optionally resuming it where it broke, with `resume_token_ids`).
 """
 
 from __future__ import annotations
@@ -203,9 +204,12 @@ class StreamOutcome:
     finish_reason: str | None = None
     done: bool = False  # "data: [DONE]" arrived
     error: str | None = None  # an in-band error, a bad status, a broken or timed-out connection
+    refused: bool = False  # the server answered with an error (a 4xx, an in-band error): not resumed
     seconds: float = 0.0
     tokens: int = 0
     chunk_times: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # with resumes: the ids received so far
+    interruptions: list[str] = field(default_factory=list)  # how each resumed attempt broke
 
     @property
     def completed(self) -> bool:
@@ -213,18 +217,30 @@ class StreamOutcome:
 
 
 async def stream_completion(http, url: str, body: dict, *, on_chunk: Callable[[int], None] | None = None,
-                            timeout_s: float = 300) -> StreamOutcome:
+                            timeout_s: float = 300, resumes: int = 0, resume_wait_s: float = 1.0) -> StreamOutcome:
     """POST a streaming completion and read it to the end; every failure is recorded, never
-    raised, so a load generator counts it. `on_chunk(i)` runs after text chunk i."""
+    raised, so a load generator counts it. `on_chunk(i)` runs after text chunk i. `resumes`:
+    when the stream breaks (the connection drops, or it ends without `[DONE]`, or a 5xx: a
+    router replica died), send it again with the token ids received so far, up to this many
+    times, as a client that keeps its streams would."""
     outcome = StreamOutcome()
     started = time.perf_counter()
+    body = {**body, "stream": True, **({"return_token_ids": True} if resumes else {})}
     try:
         async with asyncio.timeout(timeout_s):
-            await _read_stream(http, url, {**body, "stream": True}, outcome, on_chunk, started)
+            while True:
+                try:
+                    await _read_stream(http, url, body, outcome, on_chunk, started)
+                except Exception as exc:  # connection reset, incomplete chunked body ...
+                    outcome.error = f"{type(exc).__name__}: {exc}"
+                if outcome.completed or outcome.refused or len(outcome.interruptions) >= resumes:
+                    break
+                outcome.interruptions.append(outcome.error or f"ended without [DONE] after {outcome.chunks} chunks")
+                outcome.error, outcome.done, outcome.finish_reason = None, False, None
+                body = {**body, "resume_token_ids": list(outcome.token_ids)}
+                await asyncio.sleep(resume_wait_s)  # Serve notices the dead replica and routes to another
     except TimeoutError:
         outcome.error = f"no end within {timeout_s:.0f} s"
-    except Exception as exc:  # connection reset, incomplete chunked body ...
-        outcome.error = f"{type(exc).__name__}: {exc}"
     outcome.seconds = time.perf_counter() - started
     return outcome
 
@@ -233,6 +249,7 @@ async def _read_stream(http, url, body, outcome: StreamOutcome, on_chunk, starte
     async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             outcome.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            outcome.refused = response.status_code < 500
             return
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
@@ -243,12 +260,14 @@ async def _read_stream(http, url, body, outcome: StreamOutcome, on_chunk, starte
             chunk = json.loads(line[6:])
             if chunk.get("error"):
                 outcome.error = f"in-band error: {chunk['error'].get('message')}"
+                outcome.refused = True
                 continue
             if chunk.get("usage"):
                 outcome.tokens = chunk["usage"]["completion_tokens"]
             if not chunk.get("choices"):
                 continue
             choice = chunk["choices"][0]
+            outcome.token_ids += choice.get("token_ids") or []
             outcome.text += choice.get("text") or ""
             outcome.finish_reason = choice.get("finish_reason") or outcome.finish_reason
             outcome.chunk_times.append(time.perf_counter() - started)

@@ -50,6 +50,8 @@ def _body_fields(request) -> dict:
         fields["speculation"] = override
     if request.HasField("timeout_s"):
         fields["timeout_s"] = request.timeout_s
+    if request.resume_token_ids:
+        fields["resume_token_ids"] = list(request.resume_token_ids)
     return fields
 
 

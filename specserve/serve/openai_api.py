@@ -82,6 +82,10 @@ class _GenerationBody(BaseModel):
     timeout_s: float | None = Field(None, gt=0, description="extension: this request's deadline in seconds "
                                     "(default and cap: the deployment's limits)")
     user: str | None = None
+    return_token_ids: bool = Field(False, description="extension: every choice and stream chunk also carries "
+                                   "its token ids (what `resume_token_ids` takes)")
+    resume_token_ids: list[int] | None = Field(None, description="extension: continue an interrupted stream of "
+                                               "this same request; the token ids it already sent")
 
     @field_validator("stop")
     @classmethod

@@ -258,21 +258,28 @@ class Router(GrpcApi):
     async def generate(self, state: RequestState) -> AsyncIterator[Delta]:
         """Run the request's rounds; each yields the tokens it emitted and the text they make
         safe to show (stop strings held back, then cut). The caches are freed however it ends,
-        and DeadlineExceeded ends it once `state.timeout_s` has passed."""
+        and DeadlineExceeded ends it once `state.timeout_s` has passed. A resumed request
+        streams on from where its interrupted stream stopped."""
         cursor = OutputCursor(TextStream(state.params.stop))
+        if state.output_ids:  # resumed: what the interrupted stream had sent with these tokens
+            cursor.advance(state.output_ids, self.codec.decode(state.output_ids), final=False)
         timer = self.metrics.timer()
         deadline = time.monotonic() + state.timeout_s if state.timeout_s is not None else None
         try:
+            if state.finished:  # resumed with tokens that already end it: only the last delta
+                yield self._delta(state, cursor, timer)
             async for _ in self._rounds(state, deadline):
-                ids, text = cursor.advance(state.output_ids, self._text(state), final=state.finished)
-                timer.emitted(len(ids), final=state.finished)
-                if state.finished:
-                    self.metrics.finished(len(state.prompt_ids), len(state.output_ids), state.finish_reason)
-                    yield Delta(ids, text, state.finish_reason, self._usage(state))
-                else:
-                    yield Delta(ids, text)
+                yield self._delta(state, cursor, timer)
         finally:
             self._release(state)
+
+    def _delta(self, state: RequestState, cursor: OutputCursor, timer) -> Delta:
+        ids, text = cursor.advance(state.output_ids, self._text(state), final=state.finished)
+        timer.emitted(len(ids), final=state.finished)
+        if not state.finished:
+            return Delta(ids, text)
+        self.metrics.finished(len(state.prompt_ids), len(state.output_ids), state.finish_reason)
+        return Delta(ids, text, state.finish_reason, self._usage(state))
 
     def _usage(self, state: RequestState) -> dict:
         return usage(len(state.prompt_ids), len(state.output_ids), state.usage_stats())
@@ -304,13 +311,19 @@ class Router(GrpcApi):
         if speculation.co_located and speculation.proposer != info.get("heads_method"):
             raise SpecserveError(f"this deployment's target has no heads for proposer {speculation.proposer!r}: "
                                  f"use {', '.join(repr(p) for p in self._proposers())}")
-        if any(t < 0 or t >= self.codec.tokenizer.get_vocab_size(with_added_tokens=True) for t in prompt_ids):
+        vocab = self.codec.tokenizer.get_vocab_size(with_added_tokens=True)
+        if any(t < 0 or t >= vocab for t in prompt_ids):
             raise SpecserveError("the prompt contains token ids outside the vocabulary")
-        return RequestState(
+        state = RequestState(
             uuid.uuid4().hex, prompt_ids, params, speculation,
             frozenset(info["eos_token_ids"]), info["max_context"], prefill_without_draft=True,
             timeout_s=checked.timeout_s,
         )
+        if body.resume_token_ids:
+            if any(t < 0 or t >= vocab for t in body.resume_token_ids):
+                raise SpecserveError("resume_token_ids contains token ids outside the vocabulary")
+            state.resume(body.resume_token_ids, self.codec.decode)
+        return state
 
     def _proposers(self) -> list[str]:
         """The proposers this deployment can serve."""
@@ -370,6 +383,8 @@ class Router(GrpcApi):
         text = self._text(state)
         choice = {"index": 0, "finish_reason": state.finish_reason, "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        if body.return_token_ids:
+            choice["token_ids"] = list(state.output_ids)
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": self.args.served_name, "choices": [choice],
@@ -379,12 +394,14 @@ class Router(GrpcApi):
     async def _sse(self, body, state: RequestState, chat: bool, rid: str, created: int) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(delta: str | None, finish: str | None, first: bool = False, token_ids: list[int] | None = None) -> str:
             if chat:
                 d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
                 choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            if token_ids is not None:
+                choice["token_ids"] = token_ids
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created,
                                           "model": self.args.served_name, "choices": [choice]}) + "\n\n"
 
@@ -392,8 +409,9 @@ class Router(GrpcApi):
             yield chunk(None, None, first=True)
         try:
             async for delta in self.generate(state):
-                if delta.text:
-                    yield chunk(delta.text, None)
+                ids = delta.token_ids if body.return_token_ids else None
+                if delta.text or ids:  # with token ids, a round whose text is held back still sends them
+                    yield chunk(delta.text, None, token_ids=ids)
                 if delta.finish_reason is not None:
                     yield chunk(None, delta.finish_reason)
         except (SpecserveError, DeadlineExceeded) as exc:  # headers are sent: report in-band, as OpenAI does
