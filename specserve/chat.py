@@ -28,7 +28,7 @@ def grpc_stream(target: str, application: str | None) -> tuple[StreamReply, Call
     client = Client(target, application=application, api_key=api_key())
 
     def reply(model: str, messages: list[dict], params: dict) -> Iterator[str]:
-        for delta in client.chat_stream(model, messages, **params):
+        for delta in client.chat_stream(model, messages, resumes=3, **params):  # survives a lost router
             yield delta.text
 
     return reply, client.models
