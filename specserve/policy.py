@@ -304,7 +304,10 @@ class MeasuredModes:
     drafts. Where those make speculation lose, only a measurement shows it. So time is cut into
     epochs of `epoch_s`; each runs one mode ("model" or "off") for everyone; at its end the
     epoch's goodput goes to the EMA of its mode at its concurrency level (log2 buckets of
-    requests in flight; an epoch whose level changed is dropped). The next epoch runs the better
+    requests in flight; an epoch whose level changed is dropped, and so is one that no round
+    ended within two epochs). Only requests the policy steers take part: a request with a fixed
+    setting neither follows an epoch's mode nor counts in its goodput, so measuring it would
+    credit both modes with the same tokens. The next epoch runs the better
     mode (switching only for more than `hysteresis`), and every `explore_every`-th epoch at a
     level runs the other one so both estimates stay current. Below `min_in_flight` requests the
     model alone decides: a lone request has no other requests' costs it cannot see, and exploring
@@ -352,7 +355,9 @@ class MeasuredModes:
         self._started, self._level, self.current, self._tokens = now, level, mode, 0
 
     def _close(self, now: float, level: int) -> None:
-        if self._level == level and self._level > 0:
+        # an epoch no round closed in time (idle, or only requests the policy does not steer)
+        # measured something else
+        if self._level == level and self._level > 0 and now - self._started <= 2 * self.epoch_s:
             goodput = self._tokens / max(now - self._started, 1e-9)
             measured = self.levels.setdefault(level, _ModeGoodput())
             last = getattr(measured, self.current)

@@ -151,6 +151,11 @@ class RequestState:
         the same seed give different (equally exact) outputs."""
         return not self.params.greedy and self.params.seed is not None
 
+    @property
+    def adaptive(self) -> bool:
+        """Whether the load-aware policy picks this request's depth each round."""
+        return self.speculation.adaptive and not self.pinned_depth
+
     def plan_round(self, policy: SpeculationPolicy, load: LoadModel, batch: float | None = None,
                    measured_off: bool = False) -> Decision | None:
         """Adaptive speculation: let the policy set this round's depth (0 = off) from the
@@ -158,7 +163,7 @@ class RequestState:
         this load, speculation off gives more (MeasuredModes), so this round does not speculate.
         Fixed speculation: nothing to decide."""
         spec = self.speculation
-        if not spec.adaptive or self.pinned_depth:
+        if not self.adaptive:
             return None
         if self.acceptance is None:
             self.acceptance = policy.tracker(f"{spec.proposer}/{spec.shape}", spec.depth)
@@ -213,7 +218,7 @@ class RequestState:
         return {**self.stats.as_dict(), "proposer": spec.proposer,
                 "shape": "none" if spec.proposer == "none" else spec.shape,
                 "acceptance": "typical (lossy)" if spec.lossy else "exact", "lossy": spec.lossy,
-                "policy": "adaptive" if spec.adaptive and not self.pinned_depth else "fixed"}
+                "policy": "adaptive" if self.adaptive else "fixed"}
 
     def commit(self, result: VerifyResult, draft: TokenTree) -> list[int]:
         """Append a round's verified tokens, cut at EOS / stop ids / max_tokens. Returns the

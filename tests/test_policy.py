@@ -350,3 +350,23 @@ def test_no_probing_from_off_when_speculation_clearly_loses():
     tracker.ages = [10 ** 6] * 8
     decision = SpeculationPolicy().choose(tracker, load, current=0, max_k=4, batch=64)
     assert decision.k == 0 and decision.reason == "model"
+
+
+def test_an_epoch_no_round_closed_in_time_measures_nothing():
+    """Requests the policy steers stopped for a while (only fixed-setting requests ran, or none):
+    the epoch they left open is not a measurement of its mode."""
+    modes = MeasuredModes(epoch_s=1.0)
+    assert modes.mode(0.0, 4) == "model"
+    modes.record(100)
+    assert modes.mode(30.0, 4) == "model"  # 30 s later: dropped, so the model is measured again
+    assert modes.levels[MeasuredModes.level(4)].model is None
+    modes.record(10)
+    assert modes.mode(31.0, 4) == "off" and modes.levels[MeasuredModes.level(4)].model == pytest.approx(10)
+
+
+def test_only_requests_the_policy_steers_are_adaptive():
+    assert _state(Speculation(proposer="draft", k=4, policy="adaptive")).adaptive
+    assert not _state(Speculation(proposer="draft", k=4)).adaptive
+    seeded = RequestState("r", [1, 2, 3], SamplingParams(temperature=0.8, seed=3, max_tokens=100),
+                          Speculation(proposer="draft", k=4, policy="adaptive"))
+    assert not seeded.adaptive and seeded.usage_stats()["policy"] == "fixed"

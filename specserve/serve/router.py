@@ -219,7 +219,8 @@ class Router(GrpcApi):
         try:
             while not state.finished:
                 started = time.perf_counter()
-                mode = self.modes.mode(time.monotonic(), self.in_rounds)
+                # only requests the policy steers take part in (and are measured by) its epochs
+                mode = self.modes.mode(time.monotonic(), self.in_rounds) if state.adaptive else "model"
                 state.plan_round(self.policy, self.load, measured_off=mode == "off")
                 draft_call = state.needs_proposer and state.speculation.draft_cost == "pool"
                 if state.needs_proposer:  # a draft pool's round, or prompt lookup
@@ -235,7 +236,8 @@ class Router(GrpcApi):
                 self._observe_load(result, proposal, overhead, draft_call)
                 counts = SpecCounts.of(state.stats)
                 emitted = state.commit(result, verify.draft)
-                self.modes.record(len(emitted))
+                if state.adaptive:
+                    self.modes.record(len(emitted))
                 self.metrics.round(state.speculation.proposer, counts, SpecCounts.of(state.stats))
                 state.finish_at_stop_string(self.codec.decode)
                 yield emitted
