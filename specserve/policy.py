@@ -268,8 +268,8 @@ class SpeculationPolicy:
         if k < max_k and acceptance.age(k) >= self.config.probe_every:
             # one level deeper, to measure it: when the model says it beats no speculation, or
             # (from off, where nothing is measured) when it would at the prior acceptance
-            hopeful = goodput[1] if k else (1.0 + max(acceptance.rate(0), acceptance.prior)) / seconds[1]
-            if (goodput[k + 1] if k else hopeful) > goodput[0]:
+            deeper = goodput[k + 1] if k else (1.0 + max(acceptance.rate(0), acceptance.prior)) / seconds[1]
+            if deeper > goodput[0]:
                 return Decision(k + 1, goodput, "probe")
         return Decision(k, goodput, "model")
 

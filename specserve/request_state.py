@@ -238,8 +238,15 @@ class RequestState:
             accepted, reached = count_ranks(draft, draft.path_of(result.tokens[: result.num_accepted]))
             add_counts(s.num_accepted_tokens_per_rank, accepted)
             add_counts(s.num_reached_tokens_per_rank, reached)
+        emitted = self._append(result.tokens)
+        s.generated_tokens += len(emitted)
+        return emitted
+
+    def _append(self, tokens: list[int]) -> list[int]:
+        """Append output tokens up to the end of the generation (EOS, a stop id, max_tokens or
+        the context), setting `finish_reason` there. Returns the tokens appended."""
         emitted: list[int] = []
-        for token in result.tokens:
+        for token in tokens:
             if self.room() <= 0:
                 break
             emitted.append(token)
@@ -247,7 +254,6 @@ class RequestState:
             if (not self.params.ignore_eos and token in self.eos_token_ids) or token in self.params.stop_token_ids:
                 self.finish_reason = "stop"
                 break
-        s.generated_tokens += len(emitted)
         if self.finish_reason is None and self.room() <= 0:
             self.finish_reason = "length"
         return emitted
@@ -259,15 +265,10 @@ class RequestState:
         them) and the rounds continue after them. Greedy, the continuation is the one the
         interrupted run would have made; sampled, it is drawn from the target's distribution
         given them (a seed's draws restart, so a seeded run differs from an uninterrupted one)."""
-        for n, token in enumerate(token_ids):
-            if self.finished:
-                raise SpecserveError(f"resume_token_ids go on after the generation ended at token {n} "
-                                     f"({self.finish_reason}): send only the tokens the interrupted stream sent")
-            self.output_ids.append(token)
-            if (not self.params.ignore_eos and token in self.eos_token_ids) or token in self.params.stop_token_ids:
-                self.finish_reason = "stop"
-            elif self.room() <= 0:
-                self.finish_reason = "length"
+        appended = len(self._append(token_ids))
+        if appended < len(token_ids):
+            raise SpecserveError(f"resume_token_ids go on after the generation ended at token {appended} "
+                                 f"({self.finish_reason}): send only the tokens the interrupted stream sent")
         self.finish_at_stop_string(decode)
 
     def finish_at_stop_string(self, decode) -> str | None:

@@ -314,16 +314,15 @@ class Router(GrpcApi):
             raise SpecserveError(f"this deployment's target has no heads for proposer {speculation.proposer!r}: "
                                  f"use {', '.join(repr(p) for p in self._proposers())}")
         vocab = self.codec.tokenizer.get_vocab_size(with_added_tokens=True)
-        if any(t < 0 or t >= vocab for t in prompt_ids):
-            raise SpecserveError("the prompt contains token ids outside the vocabulary")
+        for what, ids in (("the prompt", prompt_ids), ("resume_token_ids", body.resume_token_ids or ())):
+            if any(t < 0 or t >= vocab for t in ids):
+                raise SpecserveError(f"{what} contains token ids outside the vocabulary")
         state = RequestState(
             uuid.uuid4().hex, prompt_ids, params, speculation,
             frozenset(info["eos_token_ids"]), info["max_context"], prefill_without_draft=True,
             timeout_s=checked.timeout_s,
         )
         if body.resume_token_ids:
-            if any(t < 0 or t >= vocab for t in body.resume_token_ids):
-                raise SpecserveError("resume_token_ids contains token ids outside the vocabulary")
             state.resume(body.resume_token_ids, self.codec.decode)
         return state
 
