@@ -26,14 +26,14 @@ models: setup
 	$(VENV)/bin/specserve models pull $(DEFAULT_MODELS)
 
 # Medusa heads for the default target, into $SPECSERVE_HOME/heads/qwen2.5-coder-1.5b-instruct-medusa
-# (default ~/.cache/specserve): 150k tokens of offline text (hidden states at ~115-185 tokens/s,
-# cached on disk), 40k tokens of the target's own continuations (~60 tokens/s) and 1500 steps
-# (~0.8 s each): about 55 minutes on 2 idle cores.
+# (default ~/.cache/specserve): 60k tokens of offline text (hidden states at ~50 tokens/s on a
+# 2-core Xeon, cached on disk), 50k tokens of the target's own continuations, which is what the
+# heads see when serving, and 1500 steps.
 # Interrupted: `make heads HEADS_ARGS=--resume`; train again: HEADS_ARGS=--force.
 HEADS_ARGS ?=
 heads: models
 	$(VENV)/bin/specserve train-heads --method medusa --target qwen2.5-coder-1.5b-instruct \
-	    --max-tokens 150000 --steps 1500 --heads 4 --layers 1 --dtype bfloat16 $(HEADS_ARGS)
+	    --max-tokens 60000 --generated-tokens 50000 --steps 1500 --heads 4 --layers 1 --dtype bfloat16 $(HEADS_ARGS)
 
 # The main job: serve the embedded default pair (Qwen2.5-Coder 1.5B target pool, 0.5B draft
 # pool, router) on CPU at http://127.0.0.1:8000 (OpenAI-compatible). Ctrl-C stops it.

@@ -19,7 +19,11 @@ goodput if every request in the batch did the same:
     E[tokens | k] = 1 + sum_{j<=k} prod_{d<=j} accept_d       (Leviathan et al. 2023, per position)
     round_seconds(k) = overhead(k) + k * draft_step(B * width) + target_step(B * (1 + nodes(k)))
 
-and picks the best, with hysteresis: it changes k only for a gain of more than `hysteresis`
+A request that was off has a one-off cost before it can draft again: the draft pool prefills
+everything since its last draft. For a k > 0, that catch-up (the draft pool's per-token cost
+times the tokens missed) is spread over the rounds the request has left, so a request near its
+end, or one that was off for long under load, needs a clearer gain to turn speculation on.
+The policy picks the best, with hysteresis: it changes k only for a gain of more than `hysteresis`
 over the current choice, and never keeps a k > 0 that its own model says loses to k = 0.
 A position that is never drafted is never measured, so every `probe_every` rounds the policy
 drafts one level deeper than its choice, when its model says that level still beats k = 0 (or,
@@ -248,10 +252,23 @@ class SpeculationPolicy:
             draft = 0.0
         return load.round_overhead(draft_call=draft_cost == "pool") + draft + verify
 
+    @staticmethod
+    def catch_up_seconds(load: LoadModel, batch: float, catch_up: int, draft_cost: str) -> float:
+        """What drafting again costs once, before its first token: the draft pool prefills the
+        `catch_up` tokens it has not seen (everything since the request last drafted), for
+        each of `batch` requests. Only a draft pool has that cost (heads read the target's own
+        pass; n-gram lookup indexes tokens as they come)."""
+        if draft_cost != "pool" or catch_up <= 0 or not load.draft.observed:
+            return 0.0
+        return batch * catch_up * load.draft.coefficients()[1]
+
     def choose(self, acceptance: AcceptanceTracker, load: LoadModel, *, current: int, max_k: int,
-               batch: float | None = None, draft_cost: str = "pool") -> Decision:
+               batch: float | None = None, draft_cost: str = "pool", catch_up: int = 0,
+               room: float = math.inf) -> Decision:
         """The depth for this round: 0..max_k (`batch`: requests per target pass, default the
-        load model's EMA)."""
+        load model's EMA). `catch_up`: tokens the draft pool must prefill before it can draft
+        (a request that was off); that one-off cost is spread over the rounds the request has
+        left (`room`: tokens it may still emit), so it weighs most near the end."""
         if draft_cost not in DRAFT_COSTS:
             raise ValueError(f"draft_cost must be one of {DRAFT_COSTS}, got {draft_cost!r}")
         if max_k <= 0:
@@ -259,11 +276,15 @@ class SpeculationPolicy:
         if acceptance.rounds < self.config.warmup_rounds or not load.target.observed:
             return Decision(max_k, {}, "warmup")
         batch = load.batch_ema if batch is None else batch
+        catch_up_s = self.catch_up_seconds(load, batch, catch_up, draft_cost)
         goodput, seconds = {}, {}
         for k in range(max_k + 1):
             width = acceptance.nodes_per_level
+            tokens = acceptance.expected_tokens(k)
             seconds[k] = self.round_seconds(k, load, batch, nodes=k * width, width=width, draft_cost=draft_cost)
-            goodput[k] = acceptance.expected_tokens(k) / seconds[k] if seconds[k] > 0 else 0.0
+            if k and catch_up_s:
+                seconds[k] += catch_up_s / max(1.0, room / tokens)
+            goodput[k] = tokens / seconds[k] if seconds[k] > 0 else 0.0
         k = self._pick(goodput, min(current, max_k))
         if k < max_k and acceptance.age(k) >= self.config.probe_every:
             # one level deeper, to measure it: when the model says it beats no speculation, or

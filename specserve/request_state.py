@@ -108,6 +108,9 @@ class RequestState:
     # this request's measured acceptance per draft position.
     policy_k: int | None = None
     acceptance: AcceptanceTracker | None = None
+    # Tokens of token_ids the draft pool has seen (at this request's last propose call): what
+    # it must prefill before drafting again is the rest (priced by the policy).
+    draft_synced: int = 0
     rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -172,7 +175,8 @@ class RequestState:
             decision = Decision(0, {}, "measured")
         else:
             decision = policy.choose(self.acceptance, load, current=current, max_k=spec.depth, batch=batch,
-                                     draft_cost=spec.draft_cost)
+                                     draft_cost=spec.draft_cost, catch_up=len(self.token_ids) - self.draft_synced,
+                                     room=self.room())
         self.policy_k = decision.k
         self.stats.policy_decisions[decision.reason] = self.stats.policy_decisions.get(decision.reason, 0) + 1
         if decision.k == 0:
@@ -186,6 +190,8 @@ class RequestState:
         return self.speculation.proposer != "none" and not self.speculation.co_located and self.round_k() > 0
 
     def propose_request(self) -> ProposeRequest:
+        """This round's call to the proposer, which thereby sees every token so far."""
+        self.draft_synced = len(self.token_ids)
         return ProposeRequest(self.request_id, self.token_ids, self.round_k(), self.params, self.rng.getrandbits(63),
                               self.speculation.draft_tree())
 

@@ -292,7 +292,7 @@ class RandomDepthPolicy:
     def tracker(self, kind, positions):
         return self._base.tracker(kind, positions)
 
-    def choose(self, acceptance, load, *, current, max_k, batch=None, draft_cost="pool"):
+    def choose(self, acceptance, load, *, current, max_k, batch=None, draft_cost="pool", catch_up=0, room=None):
         from specserve.policy import Decision
 
         self.chosen.append(self.rng.randint(0, max_k))

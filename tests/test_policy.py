@@ -370,3 +370,45 @@ def test_only_requests_the_policy_steers_are_adaptive():
     seeded = RequestState("r", [1, 2, 3], SamplingParams(temperature=0.8, seed=3, max_tokens=100),
                           Speculation(proposer="draft", k=4, policy="adaptive"))
     assert not seeded.adaptive and seeded.usage_stats()["policy"] == "fixed"
+
+
+def test_a_catch_up_is_spread_over_the_rounds_left():
+    """A request that was off must let the draft pool prefill what it missed before it drafts
+    again. Spread over many remaining rounds that is cheap; with a few tokens left it is not,
+    and the policy stays off (nor does it probe)."""
+    load = loaded_model(random.Random(14))
+    policy = SpeculationPolicy()
+    good = measured(0.8)
+    assert policy.choose(good, load, current=0, max_k=4, batch=1).k > 0
+    assert policy.choose(good, load, current=0, max_k=4, batch=1, catch_up=600, room=1000).k > 0
+    assert policy.choose(good, load, current=0, max_k=4, batch=1, catch_up=600, room=8).k == 0
+    poor = measured(0.1)
+    poor.prior, poor.ages = 0.6, [10 ** 6] * 8  # measured badly, long ago: probing is due
+    assert policy.choose(poor, load, current=0, max_k=4, batch=1).reason == "probe"
+    late = policy.choose(poor, load, current=0, max_k=4, batch=1, catch_up=600, room=8)
+    assert late.k == 0 and late.reason == "model"
+    # heads and prompt lookup have no catch-up to pay
+    assert policy.choose(good, load, current=0, max_k=4, batch=1, catch_up=600, room=8,
+                         draft_cost="co_located").k > 0
+
+
+def test_request_state_tells_the_policy_what_the_draft_pool_missed():
+    seen = []
+
+    class Recording(SpeculationPolicy):
+        def choose(self, acceptance, load, **kwargs):
+            seen.append((kwargs["catch_up"], kwargs["room"]))
+            return super().choose(acceptance, load, **kwargs)
+
+    policy, load = Recording(PolicyConfig(warmup_rounds=0)), loaded_model(random.Random(15))
+    state = _state(Speculation(proposer="draft", k=4, policy="adaptive"))
+    state.acceptance = measured(0.8)
+    state.plan_round(policy, load, batch=1)
+    assert seen[-1] == (3, 100)  # the prompt: the draft pool has seen nothing yet
+    state.propose_request()
+    state.commit(VerifyResult("r", 2, [5, 6, 8]), TokenTree.chain([5, 6, 9]))
+    state.plan_round(policy, load, batch=1)
+    assert seen[-1] == (3, 97)  # the round's three tokens
+    state.commit(VerifyResult("r", 0, [4]), TokenTree())  # a round without a draft
+    state.plan_round(policy, load, batch=1)
+    assert seen[-1] == (4, 96)
