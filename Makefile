@@ -8,7 +8,7 @@ DEFAULT_MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # Ray 2.60 turns token auth on by default; a local single-user cluster does not need it.
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup models heads serve serve-vllm generate test test-vllm test-fast bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-methods bench-adaptive bench-quick bench-full vllm-env kuberay clean
+.PHONY: setup models heads heads-hydra heads-redrafter serve serve-vllm generate test test-vllm test-fast bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-methods bench-adaptive bench-quick bench-full vllm-env kuberay clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,15 +25,21 @@ setup: $(STAMP)
 models: setup
 	$(VENV)/bin/specserve models pull $(DEFAULT_MODELS)
 
-# Medusa heads for the default target, into $SPECSERVE_HOME/heads/qwen2.5-coder-1.5b-instruct-medusa
-# (default ~/.cache/specserve): 60k tokens of offline text (hidden states at ~50 tokens/s on a
-# 2-core Xeon, cached on disk), 50k tokens of the target's own continuations, which is what the
-# heads see when serving, and 1500 steps.
+# Heads for the default target, into $SPECSERVE_HOME/heads/qwen2.5-coder-1.5b-instruct-<method>
+# (default ~/.cache/specserve), every method on the same budget: 60k tokens of offline text, 50k
+# tokens of the target's own continuations (what the heads see when serving) and 1500 steps.
+# The target's hidden states are cached once in $SPECSERVE_HOME/heads/cache and shared, so the
+# first method trained pays for them and the others only train (times in the README).
 # Interrupted: `make heads HEADS_ARGS=--resume`; train again: HEADS_ARGS=--force.
 HEADS_ARGS ?=
+HEADS_BUDGET = --target qwen2.5-coder-1.5b-instruct --max-tokens 60000 --generated-tokens 50000 \
+    --steps 1500 --heads 4 --layers 1 --dtype bfloat16
 heads: models
-	$(VENV)/bin/specserve train-heads --method medusa --target qwen2.5-coder-1.5b-instruct \
-	    --max-tokens 60000 --generated-tokens 50000 --steps 1500 --heads 4 --layers 1 --dtype bfloat16 $(HEADS_ARGS)
+	$(VENV)/bin/specserve train-heads --method medusa $(HEADS_BUDGET) $(HEADS_ARGS)
+heads-hydra: models
+	$(VENV)/bin/specserve train-heads --method hydra $(HEADS_BUDGET) $(HEADS_ARGS)
+heads-redrafter: models
+	$(VENV)/bin/specserve train-heads --method redrafter $(HEADS_BUDGET) $(HEADS_ARGS)
 
 # The main job: serve the embedded default pair (Qwen2.5-Coder 1.5B target pool, 0.5B draft
 # pool, router) on CPU at http://127.0.0.1:8000 (OpenAI-compatible). Ctrl-C stops it.
@@ -93,8 +99,8 @@ bench-ngram: models
 	$(VENV)/bin/specserve bench --preset ngram --out bench-results/ngram
 
 # Every proposer in one run, batch 1, HumanEval and MT-Bench: none, draft chain and tree, prompt
-# lookup, Medusa, Hydra and ReDrafter heads (train each first: make heads, and
-# `specserve train-heads --method hydra|redrafter`; a method without heads says so) (~30 min).
+# lookup, Medusa, Hydra and ReDrafter heads (train each first: make heads heads-hydra
+# heads-redrafter; a method without heads says so) (~30 min).
 bench-methods: models
 	$(VENV)/bin/specserve bench --preset methods --out bench-results/methods
 

@@ -253,6 +253,7 @@ def add_chat_parser(subparsers) -> None:
 
 
 def _cmd_train_heads(args: argparse.Namespace) -> int:
+    from .heads import default_cache_dir
     from .heads.train import TrainOptions, train_heads, validate_options
 
     options = TrainOptions(
@@ -265,7 +266,7 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
         progress=not args.no_progress)
     validate_options(options)  # before any model is loaded
     result = train_heads(args.target, args.out, options, resume=args.resume, force=args.force,
-                          log=lambda msg: print(msg, flush=True))
+                          cache_dir=args.cache_dir or default_cache_dir(), log=lambda msg: print(msg, flush=True))
     report = result.report
     print(f"heads: {result.out_dir}  ({report['steps']} steps in {report['train_seconds']:.0f} s, "
           f"{report['train_tokens']} training tokens, head vocabulary {report['head_vocab_size']})")
@@ -285,7 +286,8 @@ def add_train_heads_parser(subparsers) -> None:
         "train-heads", help="train Medusa, Hydra or ReDrafter heads on a target from offline text",
         description="Train Medusa, Hydra or ReDrafter heads by distillation from the target on offline text (HumanEval, MT-Bench, "
                     "Python's standard library; the prompts the benchmarks use are held out). The target's "
-                    "hidden states are cached under OUT/cache; OUT/checkpoint.pt lets --resume continue.")
+                    "hidden states are cached under --cache-dir, which every method shares; OUT/checkpoint.pt lets "
+                    "--resume continue.")
     p.add_argument("--method", default="medusa",
                    help="head method: medusa (default; heads on h_t), hydra (heads that also read the tokens "
                         "drafted before them) or redrafter (one recurrent drafter, beam search; --heads is its "
@@ -324,6 +326,9 @@ def add_train_heads_parser(subparsers) -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help=f"steps between checkpoints (default {d.checkpoint_every})")
+    p.add_argument("--cache-dir", help="where the target's hidden states and continuations are cached (default "
+                                       "$SPECSERVE_HOME/heads/cache, shared by every method and target: the files "
+                                       "are named by a hash of what made them)")
     p.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
     p.add_argument("--force", action="store_true", help="train again over heads already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

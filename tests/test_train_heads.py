@@ -116,6 +116,17 @@ def test_hidden_states_are_cached_once(target, tmp_path):
     assert len(list((out / "cache").glob("hidden-*.safetensors"))) == 2
 
 
+def test_methods_sharing_a_cache_directory_compute_the_hidden_states_once(target, tmp_path):
+    """`specserve train-heads` caches under $SPECSERVE_HOME/heads/cache for every method: Hydra
+    heads trained after Medusa's reuse its hidden states and the target's continuations."""
+    shared = tmp_path / "cache"
+    medusa = train(target, tmp_path / "medusa", tiny_options(steps=2), cache_dir=shared)
+    hydra = train(target, tmp_path / "hydra", tiny_options(steps=2, method="hydra"), cache_dir=shared)
+    assert not medusa.report["cache_reused"] and hydra.report["cache_reused"]
+    assert len(list(shared.glob("hidden-*.safetensors"))) == 1
+    assert not (tmp_path / "hydra" / "cache").exists()
+
+
 def test_token_map_keeps_the_most_frequent_ids():
     tokens = torch.tensor([5, 5, 5, 2, 2, 9])
     greedy = torch.tensor([7, 7, 7, 7, 2, 1])

@@ -52,8 +52,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "from their acceptance, against target-only and the draft model",
         "modes": ["library"], "workloads": ["code"], "prompts": 8, "max_tokens": 128, "batch_sizes": [1],
         "repeats": 2, "systems": ["specserve *"],
-        "variants": [("none", {}), ("draft", {"k": K}), ("tree", {}), ("medusa", {"k": 4}),
-                     ("medusa", {"shape": "tree", "tree": {**MEDUSA_TREE, "budget": 8}}),
+        # chains of 1-4 and trees of 4 and 8 nodes: on a CPU a verify pass of n rows costs more
+        # than one of 1 row as soon as n passes ~3, so the best proposal is small there
+        "variants": [("none", {}), ("draft", {"k": K}), ("tree", {}),
+                     *[("medusa", {"k": k}) for k in (1, 2, 3, 4)],
+                     *[("medusa", {"shape": "tree", "tree": {**MEDUSA_TREE, "budget": budget}}) for budget in (4, 8)],
                      ("medusa", {"shape": "tree", "tree": MEDUSA_TREE}),
                      ("medusa", {"shape": "tree", "tree": MEDUSA_TREE, "policy": "adaptive"})],
         "derive": {"from": "specserve medusa shape=tree budget=16 depth=4 width=4 min_score=0.05",

@@ -19,6 +19,15 @@ def default_heads_dir(target: str, method: str = "medusa") -> Path:
     return specserve_home() / "heads" / f"{name}-{method}"
 
 
+def default_cache_dir() -> Path:
+    """Where `specserve train-heads` caches targets' hidden states and continuations:
+    $SPECSERVE_HOME/heads/cache, shared by every method (Hydra and ReDrafter heads trained
+    after Medusa's reuse its hidden states)."""
+    from specserve.models import specserve_home
+
+    return specserve_home() / "heads" / "cache"
+
+
 def heads_path(target: str, heads: str, method: str = "medusa") -> Path:
     """The directory `heads` names, as given in a manifest or on the command line ("default":
     where `specserve train-heads --method METHOD` puts the target's heads)."""

@@ -58,9 +58,9 @@ Log = Callable[[str], object]
 
 @dataclass
 class TrainOptions:
-    """What to train. The defaults are `make heads`: qwen2.5-coder-1.5b-instruct on a 2-core CPU
-    in about 55 minutes (text hidden states ~115-185 tokens/s, the target's own continuations
-    ~60 tokens/s, a step ~0.8 s); `quick_options()` is a short run for tests."""
+    """What to train. The defaults are `make heads`' budget (its times for
+    qwen2.5-coder-1.5b-instruct on a 2-core CPU are in the README); `quick_options()` is a short
+    run for tests."""
 
     method: str = "medusa"  # medusa | hydra | redrafter
     num_heads: int = 4  # ReDrafter: drafting steps (the longest beam it serves)
@@ -69,11 +69,11 @@ class TrainOptions:
     lr: float = 1e-3
     batch_size: int = 256  # positions per step
     seq_len: int = 256  # tokens per forward pass while caching hidden states (KV carried over)
-    max_tokens: int = 150_000  # training text budget, in target tokens
+    max_tokens: int = 60_000  # training text budget, in target tokens
     eval_tokens: int = 2048  # held-out text budget
     # Self-distillation: the target's own greedy continuations of training prompts
     # (specserve.heads.generated); 0 turns them off.
-    generated_tokens: int = 40_000  # tokens the target writes for training
+    generated_tokens: int = 50_000  # tokens the target writes for training
     generated_eval_tokens: int = 1024  # ... and for held-out evaluation (held-out prompts)
     generated_max_new: int = 256  # longest continuation of one prompt
     generated_share: float = 0.5  # share of each step's positions taken from the continuations
@@ -541,9 +541,13 @@ def train_heads(target, out_dir: str | Path | None = None, options: TrainOptions
                  resume: bool = False, force: bool = False,
                  sequences: Sequence[Sequence[int]] | None = None,
                  eval_sequences: Sequence[Sequence[int]] | None = None,
-                 stop_at: int | None = None, log: Log = print) -> TrainResult:
+                 stop_at: int | None = None, cache_dir: str | Path | None = None, log: Log = print) -> TrainResult:
     """Train `options.method` heads (medusa, hydra, redrafter) for `target` (a registry name, directory,
     Hub id, or a causal LM object) into `out_dir` (default: `default_heads_dir(target, method)`).
+
+    `cache_dir` (default OUT/cache) keeps the target's hidden states and continuations. Its
+    files are named by a hash of the target, the text and the options that shape them, never
+    the method, so runs of several methods that share a cache directory compute them once.
 
     `sequences` / `eval_sequences`: explicit training and held-out token ids (both, or neither:
     then the offline text of `specserve.heads.data`, which needs the target's tokenizer). With
@@ -565,6 +569,7 @@ def train_heads(target, out_dir: str | Path | None = None, options: TrainOptions
         out_dir = default_heads_dir(str(target), options.method)
     out_dir = Path(out_dir)
     check_out_dir(out_dir, resume=resume, force=force)
+    out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = load_checkpoint(out_dir / CHECKPOINT_FILE, options) if resume else None
     if force:
         (out_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
@@ -573,7 +578,8 @@ def train_heads(target, out_dir: str | Path | None = None, options: TrainOptions
     if options.threads:
         torch.set_num_threads(options.threads)
     loaded = load_target(target, options, device)
-    data = _prepare_data(loaded, options, sequences, eval_sequences, out_dir, log)
+    data = _prepare_data(loaded, options, sequences, eval_sequences,
+                         Path(cache_dir) if cache_dir is not None else out_dir / CACHE_DIR, log)
     if checkpoint is not None and checkpoint["cache_key"] != data["key"]:
         raise SpecserveError(f"cannot resume {out_dir}: its checkpoint is for another target or other "
                              f"training text; --force to start over")
@@ -583,7 +589,8 @@ def train_heads(target, out_dir: str | Path | None = None, options: TrainOptions
     return _train(heads, teacher_weight, options, data, out_dir, device, checkpoint, stop_at, target, log)
 
 
-def _prepare_data(target: Target, options: TrainOptions, sequences, eval_sequences, out_dir: Path, log: Log) -> dict:
+def _prepare_data(target: Target, options: TrainOptions, sequences, eval_sequences, cache_dir: Path,
+                  log: Log) -> dict:
     if sequences is None:
         if target.tokenizer is None:
             raise SpecserveError("a target without a tokenizer needs explicit token sequences")
@@ -606,20 +613,20 @@ def _prepare_data(target: Target, options: TrainOptions, sequences, eval_sequenc
                                      desc="held-out hidden states")
         return {**{f"train.{k}": v for k, v in train.items()}, **{f"eval.{k}": v for k, v in held.items()}}
 
-    tensors, seconds = load_or_build_cache(out_dir / CACHE_DIR / f"hidden-{key}.safetensors", build, log)
+    tensors, seconds = load_or_build_cache(cache_dir / f"hidden-{key}.safetensors", build, log)
     train_tokens, eval_tokens = len(tensors["train.tokens"]), len(tensors["eval.tokens"])
     if seconds:
         log(f"hidden states: {train_tokens + eval_tokens} tokens in {seconds:.1f} s "
             f"({(train_tokens + eval_tokens) / seconds:.1f} tokens/s)")
     generated, generated_seconds, generated_key = _generated_data(target, options, prompts, eval_prompts, dtype,
-                                                                  out_dir, log)
+                                                                  cache_dir, log)
     return {"key": f"{key}-{generated_key}", "tensors": {**tensors, **generated}, "cache_seconds": seconds,
             "generated_seconds": generated_seconds, "dtype": dtype, "train_tokens": train_tokens,
             "eval_tokens": eval_tokens, "generated_tokens": len(generated["gen.tokens"]),
             "generated_eval_tokens": len(generated["geneval.tokens"])}
 
 
-def _generated_data(target: Target, options: TrainOptions, prompts, eval_prompts, dtype, out_dir: Path,
+def _generated_data(target: Target, options: TrainOptions, prompts, eval_prompts, dtype, cache_dir: Path,
                     log: Log) -> tuple[dict, float, str]:
     """The target's own continuations of the training prompts (`gen.*`) and of held-out
     prompts (`geneval.*`), with their hidden states, cached like the text's."""
@@ -644,7 +651,7 @@ def _generated_data(target: Target, options: TrainOptions, prompts, eval_prompts
             parts.update({f"{name}.{k}": v for k, v in states.items()})
         return parts
 
-    tensors, seconds = load_or_build_cache(out_dir / CACHE_DIR / f"generated-{key}.safetensors", build, log)
+    tensors, seconds = load_or_build_cache(cache_dir / f"generated-{key}.safetensors", build, log)
     if seconds:
         count = len(tensors["gen.tokens"]) + len(tensors["geneval.tokens"])
         log(f"target continuations: {count} tokens in {seconds:.1f} s ({count / seconds:.1f} tokens/s)")
