@@ -364,7 +364,7 @@ def test_bench_service_mode_on_smollm2(tmp_path, monkeypatch):
     out = tmp_path / "out"
     assert suite.main(["--target", SMOL, "--draft", SMOL, "--dtype", "float32", "--modes", "service",
                        "--workloads", "code", "--prompts", "1", "--max-tokens", "4", "--concurrency", "1", "2",
-                       "--service-requests", "2",
+                       "--service-requests", "2", "--service-repeats", "2",
                        "--systems", "specserve none", "specserve draft*", "--port", "8391",
                        "--out", str(out), "--no-progress"]) == 0
     doc = json.loads((out / "results.json").read_text())
@@ -374,6 +374,7 @@ def test_bench_service_mode_on_smollm2(tmp_path, monkeypatch):
     for run in runs.values():
         assert run["status"] == "ok", run["reason"]
         assert run["requests"] == 2 and run["tokens"] > 0 and run["ttft_p50_s"] > 0
+        assert len(run["pass_throughputs"]) == 2 and len(run["texts"]) == 2  # two passes, outputs of the first
     assert runs["specserve draft k=4", 1]["same_as_reference"] == 2
     md = (out / "results.md").read_text()
     assert "## Service mode" in md and "| specserve draft k=4 | 2 |" in md
@@ -404,6 +405,39 @@ def test_trees_preset_derives_static_trees_and_runs_them_with_their_own_baseline
     assert {r["system"] for r in doc["library"] if r["phase"] == 0} == {
         "specserve none", "specserve draft k=4", *(f"specserve tree budget={b} min_score=0.0" for b in (8, 16, 32))}
     assert "Static trees derived from **specserve tree budget=32 min_score=0.0**" in (out / "results.md").read_text()
+
+
+def test_service_passes_take_turns_and_add_up(monkeypatch, tmp_path):
+    """--service-repeats: at each concurrency and workload the systems run A B .. B A, and each
+    system's tokens and wall time add up over its passes."""
+    from types import SimpleNamespace
+
+    order = []
+
+    async def warm_up(*args, **kwargs):
+        return 0.0, []
+
+    def measure(run, url, model, prompt_ids, max_tokens, spec):
+        order.append((run.concurrency, run.system))
+        run.wall_s += 2.0
+        run.tokens += 10 * len(order)
+        run.pass_throughputs.append(5.0 * len(order))
+
+    monkeypatch.setattr(suite.service, "wait_healthy", lambda *args: None)
+    monkeypatch.setattr(suite.service, "run_level", warm_up)
+    monkeypatch.setattr(suite.service, "measure", measure)
+    monkeypatch.setattr("httpx.get", lambda *a, **k: SimpleNamespace(json=lambda: {"data": [{"id": "m"}]}))
+    bar = SimpleNamespace(set_description=lambda text: None, update=lambda n: None)
+    a, b = systems.specserve_system("none", {}), systems.specserve_system("draft", {"k": 4})
+    workload = SimpleNamespace(name="code")
+    runs = suite.service.run_service([a, b], [(workload, [[1, 2, 3]])], manifest=None, url="http://x", max_tokens=4,
+                                     requests=1, concurrency=[1, 4], log_path=tmp_path / "log", bar=bar, repeats=3)
+    assert [name for c, name in order if c == 1] == [a.name, b.name, b.name, a.name, a.name, b.name]
+    by_cell = {(r.concurrency, r.system): r for r in runs}
+    none_at_1 = by_cell[1, a.name]
+    assert none_at_1.wall_s == 6.0 and none_at_1.tokens == 10 * (1 + 4 + 5)
+    assert none_at_1.pass_throughputs == [5.0, 20.0, 25.0]
+    assert "passes 5.00, 20.00, 25.00 tok/s" in suite.report._service_notes(none_at_1.as_dict())
 
 
 def test_service_mode_measures_a_running_server_with_url(monkeypatch, tmp_path):

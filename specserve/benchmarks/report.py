@@ -35,7 +35,8 @@ Library mode (engines in this process or, for vLLM, in a subprocess; `batch` pro
 - **= specserve none**: outputs equal to specserve `none`'s (engines compared with each other).
 
 Service mode (`serve run` + HTTP, streaming, N concurrent clients over the same prompts):
-- **tok/s**: completion tokens of all requests / wall time of the level.
+- **tok/s**: completion tokens of all requests / wall time of the level (with `--service-repeats`, summed
+  over the passes, which take turns A B .. B A; the notes give each pass's tok/s).
 - **speedup**: tok/s over specserve `none` at the same concurrency.
 - **TTFT**: time to first token (first text chunk) per request, p50 and p99.
 - **ITL**: inter-token latency, the gap between consecutive text chunks as the client receives them,
@@ -223,8 +224,14 @@ def _service_rows(runs: list[dict]) -> list[str]:
 
 
 def _service_notes(run: dict) -> str:
+    notes = []
+    passes = run.get("pass_throughputs") or []
+    if len(passes) > 1:
+        notes.append("passes " + ", ".join(f"{t:.2f}" for t in passes) + " tok/s")
     off = run.get("speculation_off_share")
-    return "" if off is None else f"speculation off in {100 * off:.0f}% of rounds"
+    if off is not None:
+        notes.append(f"speculation off in {100 * off:.0f}% of rounds")
+    return "; ".join(notes)
 
 
 def _sec(value: float | None) -> str:

@@ -14,7 +14,7 @@ import asyncio
 from pathlib import Path
 
 from specserve.benchmarks.http import run_level, start_server, stop_server, wait_healthy
-from specserve.benchmarks.systems import CANNOT_RUN, FAILED, K, SERVED, ServiceRun, System
+from specserve.benchmarks.systems import CANNOT_RUN, FAILED, K, OK, SERVED, ServiceRun, System
 from specserve.benchmarks.workloads import Workload
 from specserve.grpc import grpc_options
 
@@ -60,10 +60,12 @@ def _log_tail(path: Path, lines: int = 5) -> str:
 
 
 def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None, url: str, max_tokens: int,
-                requests: int, concurrency: list[int], log_path: Path, bar,
+                requests: int, concurrency: list[int], log_path: Path, bar, repeats: int = 1,
                 startup_timeout_s: float = 900) -> list[ServiceRun]:
-    """At concurrency c each workload sends its first max(requests, c) prompts over c streams.
-    Starts `serve run MANIFEST` for the sweep; with no manifest, measures the server at ``url``."""
+    """At concurrency c each workload sends its first max(requests, c) prompts over c streams,
+    once per system per pass; the systems take turns, A B .. B A, in `repeats` passes whose
+    tokens and wall times add up. Starts `serve run MANIFEST` for the sweep; with no manifest,
+    measures the server at ``url``."""
     import httpx
 
     cells = [(c, w, ids, s) for c in concurrency for w, ids in encoded for s in systems]
@@ -84,20 +86,23 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
                 asyncio.run(run_level(url, model, [encoded[0][1][0]], 4, 1, None, speculation=speculation(system)))
             except Exception as exc:
                 refused[system.name] = str(exc).splitlines()[0][:300]
-        runs = []
-        for c, workload, prompt_ids, system in cells:
-            bar.set_description(f"{system.name} x{c} {workload.name}")
-            run = ServiceRun(system.name, system.method, workload.name, c)
-            runs.append(run)
-            if system.name in refused:
-                run.status, run.reason = CANNOT_RUN, refused[system.name]
-            else:
-                try:
-                    measure(run, url, model, prompt_ids[:max(requests, c)], max_tokens, speculation(system))
-                except Exception as exc:
-                    run.status, run.reason = FAILED, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-            bar.update(1)
-        return runs
+        runs = {(c, w.name, s.name): ServiceRun(s.name, s.method, w.name, c) for c, w, _, s in cells}
+        for c in concurrency:
+            for workload, prompt_ids in encoded:
+                for rep in range(repeats):
+                    for system in systems if rep % 2 == 0 else systems[::-1]:
+                        bar.set_description(f"{system.name} x{c} {workload.name}")
+                        run = runs[c, workload.name, system.name]
+                        if system.name in refused:
+                            run.status, run.reason = CANNOT_RUN, refused[system.name]
+                        elif run.status == OK:
+                            try:
+                                measure(run, url, model, prompt_ids[:max(requests, c)], max_tokens,
+                                        speculation(system))
+                            except Exception as exc:
+                                run.status, run.reason = FAILED, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                        bar.update(1)
+        return list(runs.values())
     finally:
         if server is not None:
             bar.set_description("serve run (stopping)")
@@ -114,10 +119,14 @@ def speculation(system: System) -> dict | None:
 
 
 def measure(run: ServiceRun, url: str, model: str, prompt_ids: list[list[int]], max_tokens: int, spec: dict) -> None:
+    """One pass of `run`'s requests; a later pass adds its tokens, time and latencies (the
+    outputs compared with target-only are the first pass's)."""
     wall_s, results = asyncio.run(run_level(url, model, prompt_ids, max_tokens, run.concurrency, None,
                                             speculation=spec))
-    run.wall_s = wall_s
+    first = not run.pass_throughputs
+    run.wall_s += wall_s
     run.requests = len(results)
+    run.pass_throughputs.append(sum(r.tokens for r in results) / wall_s if wall_s else 0.0)
     for r in results:
         run.tokens += r.tokens
         run.target_steps += r.speculation.get("target_steps", 0)
@@ -126,4 +135,5 @@ def measure(run: ServiceRun, url: str, model: str, prompt_ids: list[list[int]], 
         run.add_k_histogram(r.speculation.get("k_histogram") or {})
         run.ttft_s.append(r.ttft_s)
         run.itl_s += [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-        run.texts.append(r.text)
+        if first:
+            run.texts.append(r.text)

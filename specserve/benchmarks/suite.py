@@ -41,7 +41,7 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # Service mode uses shorter answers: a throughput or latency point needs steady streams, not long
 # ones, and it is the longest phase.
 FULL = {"prompts": 8, "max_tokens": 128, "concurrency": [1, 2, 4, 8], "service_requests": 4, "service_max_tokens": 64,
-        "batch_sizes": [1], "repeats": 2, "vllm_settings": "auto", "modes": ["library", "service"],
+        "service_repeats": 1, "batch_sizes": [1], "repeats": 2, "vllm_settings": "auto", "modes": ["library", "service"],
         "workloads": list(workloads.WORKLOADS)}
 # --quick's sizes win over a preset's; vLLM starts eager only (a compiled start alone takes ~2.5 minutes)
 QUICK = {"prompts": 1, "max_tokens": 8, "concurrency": [1, 2], "service_requests": 2, "service_max_tokens": 8,
@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--service-max-tokens", type=int,
                    help=f"service mode: new tokens per request (default {FULL['service_max_tokens']}, at most "
                         "--max-tokens)")
+    p.add_argument("--service-repeats", type=int,
+                   help=f"service mode: passes over the systems at each concurrency and workload, in alternating "
+                        f"order A B .. B A, summed (default {FULL['service_repeats']})")
     p.add_argument("--manifest", help="service mode: serve this config instead of a generated one for the pair")
     p.add_argument("--url", help="service mode: measure the server already running here (no `serve run`)")
     p.add_argument("--port", type=int, default=8311, help="port of the generated service config (default 8311)")
@@ -107,7 +110,7 @@ def resolve_defaults(args: argparse.Namespace) -> None:
     """Fill what the command line left out: --quick's sizes, then the preset's, then the full run's."""
     preset = presets.PRESETS.get(args.preset or "", {})
     layers = [QUICK, preset, FULL] if args.quick else [preset, FULL]
-    for key in ("prompts", "max_tokens", "concurrency", "batch_sizes", "repeats", "vllm_settings", "modes",
+    for key in ("prompts", "max_tokens", "concurrency", "batch_sizes", "repeats", "service_repeats", "vllm_settings", "modes",
                 "workloads", "systems", "manifest"):
         if getattr(args, key) is None:
             setattr(args, key, next((layer[key] for layer in layers if key in layer), None))
@@ -118,7 +121,7 @@ def resolve_defaults(args: argparse.Namespace) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for key in ("prompts", "max_tokens", "service_requests", "service_max_tokens", "repeats"):
+    for key in ("prompts", "max_tokens", "service_requests", "service_max_tokens", "repeats", "service_repeats"):
         if getattr(args, key) < 1:
             build_parser().error(f"--{key.replace('_', '-')} must be at least 1")
     if min(args.concurrency) < 1 or min(args.batch_sizes) < 1:
@@ -177,7 +180,7 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
     calls = sum(len(c.calls) for c in cells)
     n_vllm = sum(s.engine == "vllm" for s in lib_systems)
     total = (len(lib_systems) * args.repeats + n_vllm * (len(settings) - 1)) * calls \
-        + len(svc_systems) * len(svc_encoded) * len(args.concurrency)
+        + len(svc_systems) * len(svc_encoded) * len(args.concurrency) * args.service_repeats
     bar = tqdm(total=total, disable=args.no_progress, file=sys.stderr, unit="call", dynamic_ncols=True)
     machine = machine_info(args)
     notes = []
@@ -201,6 +204,7 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
             "vllm_kv_cache_gib": library.VLLM_KV_CACHE_GIB if n_vllm else None,
             "concurrency": args.concurrency if svc_systems else [],
             "service_requests": args.service_requests, "service_max_tokens": args.service_max_tokens,
+            "service_repeats": args.service_repeats,
             "manifest": args.url or args.manifest,
             "workloads": [_describe(w) for w in lib_workloads] if lib_systems else [],
             "service_workloads": [_describe(w) for w in svc_workloads],
@@ -398,6 +402,7 @@ def _service_mode(args, svc_systems, encoded, out, bar, phases) -> list[dict]:
     url = args.url or f"http://127.0.0.1:{service.manifest_port(manifest)}"
     runs = service.run_service(svc_systems, encoded, manifest=None if args.url else manifest, url=url.rstrip("/"),
                                max_tokens=args.service_max_tokens, requests=args.service_requests,
+                               repeats=args.service_repeats,
                                concurrency=args.concurrency, log_path=out / "serve.log", bar=bar)
     systems.compare_service(runs)
     phases["service_s"] = time.monotonic() - started

@@ -266,6 +266,7 @@ class ServiceRun:
     speedup: float | None = None  # throughput over specserve none at the same concurrency
     same_as_reference: int | None = None  # outputs equal to specserve none's at the same concurrency
     k_histogram: list[int] = field(default_factory=list)  # rounds per drafted depth, all requests
+    pass_throughputs: list[float] = field(default_factory=list)  # tok/s of each pass (--service-repeats)
 
     @property
     def throughput(self) -> float:
