@@ -65,7 +65,7 @@ class TrainOptions:
     method: str = "medusa"  # medusa | hydra | redrafter
     num_heads: int = 4  # ReDrafter: drafting steps (the longest beam it serves)
     num_layers: int = 1  # Medusa: ResBlocks per head; Hydra, ReDrafter: the input block + num_layers - 1 ResBlocks
-    steps: int = 1500
+    steps: int = 600
     lr: float = 1e-3
     batch_size: int = 256  # positions per step
     seq_len: int = 256  # tokens per forward pass while caching hidden states (KV carried over)
