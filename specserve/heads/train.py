@@ -327,7 +327,7 @@ def load_or_build_cache(path: Path, build: Callable[[], dict[str, torch.Tensor]]
     from safetensors.torch import load_file, save_file
 
     if path.is_file():
-        log(f"hidden states: reusing {path}")
+        log(f"reusing the cached {path.name} from {path.parent}")
         return load_file(str(path)), 0.0
     start = time.perf_counter()
     tensors = build()
