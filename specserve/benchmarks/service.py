@@ -69,6 +69,9 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
     import httpx
 
     cells = [(c, w, ids, s) for c in concurrency for w, ids in encoded for s in systems]
+    # the measuring order: at each concurrency and workload the systems take turns, A B .. B A
+    turns = [(c, w, ids, s) for c in concurrency for w, ids in encoded for rep in range(repeats)
+             for s in (systems if rep % 2 == 0 else systems[::-1])]
     bar.set_description("serve run (starting)" if manifest else f"server at {url}")
     server = start_server(manifest, str(log_path)) if manifest else None
     try:
@@ -76,7 +79,7 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
             wait_healthy(url, startup_timeout_s, server)
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         except Exception as exc:
-            bar.update(len(cells))
+            bar.update(len(turns))
             reason = f"the server did not start: {exc} (log {log_path}: {_log_tail(log_path)})"
             return [ServiceRun(s.name, s.method, w.name, c, status=CANNOT_RUN, reason=reason) for c, w, _, s in cells]
         refused = {}
@@ -87,21 +90,17 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
             except Exception as exc:
                 refused[system.name] = str(exc).splitlines()[0][:300]
         runs = {(c, w.name, s.name): ServiceRun(s.name, s.method, w.name, c) for c, w, _, s in cells}
-        for c in concurrency:
-            for workload, prompt_ids in encoded:
-                for rep in range(repeats):
-                    for system in systems if rep % 2 == 0 else systems[::-1]:
-                        bar.set_description(f"{system.name} x{c} {workload.name}")
-                        run = runs[c, workload.name, system.name]
-                        if system.name in refused:
-                            run.status, run.reason = CANNOT_RUN, refused[system.name]
-                        elif run.status == OK:
-                            try:
-                                measure(run, url, model, prompt_ids[:max(requests, c)], max_tokens,
-                                        speculation(system))
-                            except Exception as exc:
-                                run.status, run.reason = FAILED, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-                        bar.update(1)
+        for c, workload, prompt_ids, system in turns:
+            bar.set_description(f"{system.name} x{c} {workload.name}")
+            run = runs[c, workload.name, system.name]
+            if system.name in refused:
+                run.status, run.reason = CANNOT_RUN, refused[system.name]
+            elif run.status == OK:  # a pass that failed ends the cell's measuring
+                try:
+                    measure(run, url, model, prompt_ids[:max(requests, c)], max_tokens, speculation(system))
+                except Exception as exc:
+                    run.status, run.reason = FAILED, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            bar.update(1)
         return list(runs.values())
     finally:
         if server is not None:
