@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from specserve import models
-from specserve.engine.torch_worker import TorchWorker
+from specserve.engine.torch_worker import Linear, TorchWorker
 from specserve.proposers.draft_model import DraftModelProposer
 from specserve.protocol import SpecserveError
 from specserve.verifier import Verifier
@@ -42,7 +42,17 @@ def load_heads_proposer(directory: Path, worker: TorchWorker, *, method: str | N
         return load_medusa(directory, worker, min_confidence=min_confidence)
     load, proposer = _embedding_heads(found)
     heads = load(directory, worker.model.lm_head.weight, worker.model.get_input_embeddings().weight)
-    return proposer(heads, vocab_size=worker.vocab_size, min_confidence=min_confidence)
+    return proposer(serving_heads(heads, worker), vocab_size=worker.vocab_size, min_confidence=min_confidence)
+
+
+def serving_heads(heads, worker: TorchWorker):
+    """Loaded heads with their shared vocabulary projection on the target's linear kernel
+    (oneDNN-prepacked on CPU, like the target's own layers): on a 2-core CPU four heads'
+    projections of 32k rows took ~32 ms a round one head at a time and ~9 ms as one prepacked
+    product, where a target step is ~145 ms."""
+    if heads.shared_lm_head is not None:
+        heads.use_projection_kernel(Linear(heads.shared_lm_head, pack=worker.prepacked))
+    return heads
 
 
 def _embedding_heads(method: str):
@@ -65,8 +75,8 @@ def load_medusa(directory: Path, worker: TorchWorker, *, min_confidence: float =
     from specserve.heads.medusa import load_heads
     from specserve.proposers.medusa import MedusaProposer
 
-    return MedusaProposer(load_heads(directory, worker.model.lm_head.weight), vocab_size=worker.vocab_size,
-                          min_confidence=min_confidence)
+    heads = serving_heads(load_heads(directory, worker.model.lm_head.weight), worker)
+    return MedusaProposer(heads, vocab_size=worker.vocab_size, min_confidence=min_confidence)
 
 
 @dataclass

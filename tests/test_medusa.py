@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import empirical_pairs, make_medusa_decoder, tiny_heads, tiny_model
+from conftest import empirical_pairs, make_medusa_decoder, tiny_heads, tiny_hydra_heads, tiny_model, tiny_redrafter
 from specserve.protocol import (
     DETERMINISTIC, SAMPLED, Proposal, ProposeRequest, SamplingParams, Speculation, SparseDist, SpecserveError,
     TokenTree, TreeSpec, VerifyRequest,
@@ -151,6 +151,44 @@ def test_heads_propose_static_dynamic_and_chain_shapes_from_one_batched_pass():
     assert list(out[2].tree.tokens) == logits[:, 2].argmax(-1).tolist()
     siblings = [out[0].tree.tokens[i] for i in range(3)]  # the root's children: head 0's top 3
     assert siblings == logits[0, 0].topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("make_heads", [tiny_heads, tiny_hydra_heads, tiny_redrafter])
+def test_served_heads_project_every_head_and_row_in_one_product(make_heads):
+    """Serving puts the heads' shared projection on the target's linear kernel (oneDNN-prepacked
+    on CPU): one product for every head and row, with the logits of one product per head."""
+    from specserve.engine.torch_worker import TorchWorker
+    from specserve.loading import serving_heads
+
+    model = tiny_model("qwen2", seed=1)
+    worker = TorchWorker(model)
+    heads = make_heads(model, noise=0.05, head_vocab_size=40)
+    features = torch.randn(3, 4, model.config.hidden_size)
+    per_head = torch.stack([f @ heads.shared_lm_head.T for f in features])
+    assert heads.projection_kernel is None
+    torch.testing.assert_close(heads.project(features), per_head, atol=1e-5, rtol=1e-4)
+    served = serving_heads(heads, worker)
+    assert served.projection_kernel is not None and served.projection_kernel.packed == worker.prepacked
+    torch.testing.assert_close(served.project(features), per_head, atol=1e-5, rtol=1e-4)
+
+
+def test_medusa_heads_with_their_own_projections_keep_one_product_per_head():
+    from specserve.engine.torch_worker import TorchWorker
+    from specserve.heads.medusa import MedusaConfig, MedusaHeads
+    from specserve.loading import serving_heads
+
+    model = tiny_model("qwen2", seed=1)
+    config = MedusaConfig(model.config.hidden_size, model.config.vocab_size, num_heads=2, own_lm_head=True)
+    heads = MedusaHeads(config, model.lm_head.weight).requires_grad_(False)
+    with torch.no_grad():
+        heads.lm_heads[1].mul_(2.0)  # the heads' projections differ
+    hidden = torch.randn(3, model.config.hidden_size)
+    assert serving_heads(heads, TorchWorker(model)).projection_kernel is None
+    logits = heads(hidden)
+    for h in range(2):
+        torch.testing.assert_close(logits[h], heads.features(hidden)[h] @ heads.lm_heads[h].T)
+    with pytest.raises(SpecserveError, match="own projections"):
+        heads.use_projection_kernel(lambda x: x)
 
 
 def test_a_held_proposal_is_cut_to_the_rounds_depth():

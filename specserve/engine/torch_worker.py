@@ -79,26 +79,37 @@ class Rows:
 
 
 class Linear:
-    """nn.Linear layers that read the same input, fused along their outputs (q/k/v, gate/up)
-    into one matrix, and on CPU prepacked into oneDNN's blocked layout: at batch 1 the packed
-    bf16 kernel streams weights ~1.5x faster than eager `F.linear` (DESIGN.md), with the same
-    results. Elsewhere (CUDA) it is a plain fused F.linear."""
+    """A linear map `x @ weight.T + bias`, on CPU prepacked into oneDNN's blocked layout: at
+    batch 1 the packed bf16 kernel streams weights ~1.5x faster than eager `F.linear`
+    (DESIGN.md), with the same results. Elsewhere (CUDA) it is a plain F.linear. `sizes`: the
+    output widths of the layers fused into it (see `fused`). Inputs of any rank [..., in]."""
 
-    def __init__(self, modules, *, pack: bool, rows: int | None = None):
-        weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
-        weight = weight[:rows]  # rows: only the first output rows (the usable vocabulary)
-        biases = [m.bias for m in modules]
-        self.bias = None
-        if any(b is not None for b in biases):
-            self.bias = torch.cat([b.detach() if b is not None else weight.new_zeros(m.out_features)
-                                   for m, b in zip(modules, biases)])
-        self.sizes = [m.out_features for m in modules] if rows is None else [weight.shape[0]]
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool,
+                 sizes: list[int] | None = None):
+        self.bias = bias
+        self.sizes = sizes or [weight.shape[0]]
         self.packed = pack
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if pack else weight
 
+    @classmethod
+    def fused(cls, modules, *, pack: bool, rows: int | None = None) -> Linear:
+        """nn.Linear layers that read the same input (q/k/v, gate/up), fused along their outputs
+        into one matrix. rows: keep only the first output rows (the usable vocabulary)."""
+        weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
+        weight = weight[:rows]
+        biases = [m.bias for m in modules]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.detach() if b is not None else weight.new_zeros(m.out_features)
+                              for m, b in zip(modules, biases)])
+        sizes = [m.out_features for m in modules] if rows is None else [weight.shape[0]]
+        return cls(weight, bias, pack=pack, sizes=sizes)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         return F.linear(x, self.weight, self.bias)
 
 
@@ -303,7 +314,7 @@ class TorchWorker:
         self.vocab_size = min(vocab_size or model.lm_head.out_features, model.lm_head.out_features)
         self.prepacked = can_prepack(self.device, self.dtype) if prepack is None else prepack
         self.layers = [self._layer(layer) for layer in self.body.layers]
-        self.output = Linear([model.lm_head], pack=self.prepacked, rows=self.vocab_size)
+        self.output = Linear.fused([model.lm_head], pack=self.prepacked, rows=self.vocab_size)
         if release_model_weights:
             self._release_model_weights()
         layers = len(self.layers)
@@ -336,8 +347,8 @@ class TorchWorker:
         pack = self.prepacked
         return _Layer(
             input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
-            qkv=Linear([attn.q_proj, attn.k_proj, attn.v_proj], pack=pack), o=Linear([attn.o_proj], pack=pack),
-            gate_up=Linear([mlp.gate_proj, mlp.up_proj], pack=pack), down=Linear([mlp.down_proj], pack=pack),
+            qkv=Linear.fused([attn.q_proj, attn.k_proj, attn.v_proj], pack=pack), o=Linear.fused([attn.o_proj], pack=pack),
+            gate_up=Linear.fused([mlp.gate_proj, mlp.up_proj], pack=pack), down=Linear.fused([mlp.down_proj], pack=pack),
             act=mlp.act_fn, scale=attn.scaling,
             q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
         )

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.heads.medusa import CONFIG_FILE
+from specserve.heads.medusa import CONFIG_FILE, VocabularyHeads
 from specserve.protocol import SpecserveError
 
 
-class TiedHeads(nn.Module):
+class TiedHeads(VocabularyHeads):
     """What Hydra's heads and ReDrafter's drafter share: the target's lm_head rows of
     `token_map` as a frozen projection, and the target's input embedding table, kept by
     reference (never copied, moved or saved: it is the target's). `label` names them in errors."""

@@ -155,7 +155,7 @@ class HydraHeads(files.TiedHeads):
     def head_logits(self, index: int, base: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
         """[N, head_vocab] logits over `token_map`'s ids (see `head_features`)."""
         out = self.head_features(index, base, path)
-        return out @ self.projection().to(out.dtype).T
+        return self.project(out)
 
     def features(self, hidden: torch.Tensor, path: torch.Tensor,
                  context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -171,7 +171,7 @@ class HydraHeads(files.TiedHeads):
                 context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """[K, B, head_vocab] logits, teacher-forced (see `features`)."""
         out = self.features(hidden, path, context)
-        return out @ self.projection().to(out.dtype).T
+        return self.project(out)
 
     def save(self, directory: str | Path) -> Path:
         return files.save_heads(self, directory, WEIGHTS_FILE)

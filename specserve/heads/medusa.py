@@ -77,7 +77,31 @@ class ResBlock(nn.Module):
         return x + self.act(self.linear(x))
 
 
-class MedusaHeads(nn.Module):
+class VocabularyHeads(nn.Module):
+    """What every kind of heads ends in: the target's lm_head rows of `token_map` as one
+    projection shared by every head (the `shared_lm_head` buffer; Medusa's `own_lm_head`
+    heads have their own instead). Serving swaps in a faster kernel for it
+    (`use_projection_kernel`): every head's and row's logits in one product, so the matrix
+    (~100 MB for 32k rows of a 1536-wide model) is read once per round, not once per head."""
+
+    shared_lm_head: torch.Tensor | None
+    projection_kernel = None  # a callable with the same results as `features @ shared_lm_head.T`
+
+    def use_projection_kernel(self, kernel) -> None:
+        """Serve the shared projection through `kernel` (e.g. the engine's oneDNN-prepacked
+        `Linear` over `shared_lm_head`): [..., hidden] -> [..., head_vocab]. Inference only."""
+        if self.shared_lm_head is None:
+            raise SpecserveError("these heads have their own projections; there is no shared one to serve")
+        self.projection_kernel = kernel
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> logits [..., head_vocab] over `token_map`'s ids, in one product."""
+        if self.projection_kernel is not None:
+            return self.projection_kernel(features)
+        return features @ self.shared_lm_head.to(features.dtype).T
+
+
+class MedusaHeads(VocabularyHeads):
     """K heads over the target's last hidden state.
 
     `lm_head_weight`: the target's lm_head weight [vocab, hidden]; its `token_map` rows become
@@ -116,7 +140,10 @@ class MedusaHeads(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., hidden] (the target's last hidden state, after its final norm).
         Returns logits [num_heads, ..., head_vocab] over `token_map`'s ids."""
-        return torch.stack([block(hidden) @ self.projection(i).T for i, block in enumerate(self.blocks)])
+        features = self.features(hidden)
+        if self.lm_heads is None:
+            return self.project(features)
+        return torch.stack([f @ w.T for f, w in zip(features, self.lm_heads)])
 
     context_window = 0  # Medusa's heads read h_t alone, never past hidden states
 

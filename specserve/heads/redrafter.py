@@ -86,7 +86,7 @@ class ReDrafter(files.TiedHeads):
     def step_logits(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """[N, head_vocab] logits over `token_map`'s ids of the token after the state's path."""
         out = self.step_features(hidden, state)
-        return out @ self.projection().to(out.dtype).T
+        return self.project(out)
 
     def features(self, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
         """Every step at once, teacher-forced: hidden [B, H] (h_t), path [B, >= K] (x_{t+1} ..
@@ -102,7 +102,7 @@ class ReDrafter(files.TiedHeads):
     def forward(self, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
         """[K, B, head_vocab] logits, teacher-forced (see `features`)."""
         out = self.features(hidden, path)
-        return out @ self.projection().to(out.dtype).T
+        return self.project(out)
 
     def save(self, directory: str | Path) -> Path:
         return files.save_heads(self, directory, WEIGHTS_FILE)
