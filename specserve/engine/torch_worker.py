@@ -106,11 +106,12 @@ class Linear:
         return cls(weight, bias, pack=pack, sizes=sizes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            flat = x.reshape(-1, x.shape[-1])
-            out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
-            return out.reshape(*x.shape[:-1], out.shape[-1])
-        return F.linear(x, self.weight, self.bias)
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias)
+        if x.dim() == 2:  # the worker's passes: no reshapes on the hot path
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:

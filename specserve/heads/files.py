@@ -43,10 +43,6 @@ class TiedHeads(VocabularyHeads):
                              .to(torch.float32), persistent=False)
         self.embedding = embedding_weight.detach()  # a plain attribute: `.to()` leaves the target's table alone
 
-    def projection(self, head: int = 0) -> torch.Tensor:
-        """[head_vocab, hidden]: the shared vocabulary projection."""
-        return self.shared_lm_head
-
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> their input embeddings [..., hidden], RMS-normalised (so they enter at the
         scale of the normed hidden state), in the heads' dtype and on their device."""
