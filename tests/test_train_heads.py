@@ -127,6 +127,45 @@ def test_methods_sharing_a_cache_directory_compute_the_hidden_states_once(target
     assert not (tmp_path / "hydra" / "cache").exists()
 
 
+def test_continuations_are_the_targets_greedy_ones_in_prompt_order(target):
+    """The self-distillation text: continuously batched (prompts of different lengths join as
+    others finish), each sequence is still the target's own greedy continuation, with the hidden
+    rows that produced it, in prompt order; a budget cuts the run short."""
+    from specserve.heads.generated import generate_states
+
+    prompts = [seq[: 3 + 2 * i] for i, seq in enumerate(TRAIN[:7])]
+    eos = {int(target(torch.tensor([prompts[2]])).logits[0, -1].argmax())}  # prompt 2 stops at once
+    expected = []  # per prompt: (inputs, outputs, hidden rows), one prompt at a time
+    for prompt in prompts:
+        sequence, inputs, outputs, hidden = list(prompt), [], [], []
+        while len(outputs) < 9 and not (outputs and outputs[-1] in eos):
+            out = target(torch.tensor([sequence]), output_hidden_states=True)
+            inputs.append(sequence[-1])
+            outputs.append(int(out.logits[0, -1].argmax()))
+            hidden.append(out.hidden_states[-1][0, -1])
+            sequence.append(outputs[-1])
+        if len(outputs) >= 2:  # a one-token continuation teaches nothing past head 0
+            expected.append((inputs, outputs, torch.stack(hidden)))
+    assert len(expected) == len(prompts) - 1
+
+    states = generate_states(target, prompts, max_new_tokens=9, max_tokens=1000, eos_token_ids=eos,
+                             batch_size=3, progress=False)
+    offsets = states["offsets"].tolist()
+    assert len(offsets) - 1 == len(expected)
+    for (inputs, outputs, hidden), start, end in zip(expected, offsets, offsets[1:]):
+        assert states["tokens"][start:end].tolist() == inputs
+        assert states["greedy"][start:end].tolist() == outputs
+        torch.testing.assert_close(states["hidden"][start:end], hidden, atol=1e-4, rtol=1e-4)
+
+    cut = generate_states(target, prompts, max_new_tokens=9, max_tokens=20, eos_token_ids=eos, batch_size=3,
+                          progress=False)
+    assert len(cut["greedy"]) <= 20 < offsets[-1]
+    for start, end in zip(cut["offsets"].tolist(), cut["offsets"].tolist()[1:]):
+        tokens, greedy = cut["tokens"][start:end].tolist(), cut["greedy"][start:end].tolist()
+        assert any(inputs[: len(tokens)] == tokens and outputs[: len(greedy)] == greedy
+                   for inputs, outputs, _ in expected)
+
+
 def test_token_map_keeps_the_most_frequent_ids():
     tokens = torch.tensor([5, 5, 5, 2, 2, 9])
     greedy = torch.tensor([7, 7, 7, 7, 2, 1])

@@ -74,12 +74,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "help": "make bench-methods: every proposer at batch 1 in one run, held-out HumanEval and MT-Bench: target-only, "
                 "draft chain k=4 and tree, prompt lookup k=8, Medusa, Hydra and ReDrafter heads (trained with the same "
                 "budget) as 4-node trees (on a 2-core CPU a verify pass of more than ~5 rows costs clearly more "
-                "than one of 1), and ReDrafter's 4 beams of 4 tokens",
+                "than one of 1) and as 16-node trees (closer to the papers' trees: accepted length, at a price "
+                "in tokens/s here), and ReDrafter's 4 beams of 4 tokens (16 nodes)",
         "modes": ["library"], "workloads": ["code", "chat"], "prompts": 6, "max_tokens": 96, "batch_sizes": [1],
         "repeats": 2, "systems": ["specserve *"],
         "variants": [("none", {}), ("draft", {"k": K}), ("tree", {}), ("ngram", {"k": 8}),
                      *[(method, {"shape": "tree", "tree": {**MEDUSA_TREE, "budget": 4}})
                        for method in ("medusa", "hydra", "redrafter")],
+                     *[(method, {"shape": "tree", "tree": MEDUSA_TREE}) for method in ("medusa", "hydra")],
                      ("redrafter", {"shape": "tree", "tree": REDRAFTER_BEAMS})],
     },
     "adaptive": {

@@ -635,6 +635,7 @@ def _generated_data(target: Target, options: TrainOptions, prompts, eval_prompts
 
     key = hashlib.sha256(json.dumps({
         "target": target.fingerprint, "dtype": str(dtype), "max_new": options.generated_max_new,
+        "batching": "continuous",  # where the budget cuts the continuations short depends on it
         "tokens": [options.generated_tokens, options.generated_eval_tokens],
         "prompts": hashlib.sha256(json.dumps([list(map(int, p)) for p in prompts]).encode()).hexdigest(),
         "eval": hashlib.sha256(json.dumps([list(map(int, p)) for p in eval_prompts]).encode()).hexdigest(),
