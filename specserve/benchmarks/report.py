@@ -315,7 +315,8 @@ def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmar
             "Each run writes `results.json` (every number, every output's token ids, the machine), `results.md` "
             "(this page) and the PNG plots to `--out` (default `bench-results/<time>/`). `--docs docs` also "
             "writes them as `docs/BENCHMARKS.md` and `docs/bench/*.png`; `--render results.json` renders a "
-            "saved run again.", ""]
+            "saved run again. Runs of one preset (every proposer, Medusa, load-aware speculation, ...) are kept "
+            "in `docs/bench/` and listed in [docs/bench/README.md](bench/README.md).", ""]
     return "\n".join(out)
 
 
