@@ -53,7 +53,8 @@ def generate_states(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
                     break
                 rows = worker.run([ForwardItem(c.request_id, c.sequence) for c in live.values()])
                 for (index, seq), r in zip(list(live.items()), rows):
-                    token = seq.append(int(r.logits[0].argmax()), r.hidden[0].cpu().clone())  # a copy: not a view pinning the pass's rows
+                    # a copy of the row: a view would keep the whole pass's hidden states alive
+                    token = seq.append(int(r.logits[0].argmax()), r.hidden[0].cpu().clone())
                     generated += 1
                     if token in eos or len(seq.outputs) >= max_new_tokens:
                         finished[index] = live.pop(index)
