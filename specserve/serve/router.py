@@ -55,6 +55,7 @@ from specserve.text import TextCodec
 
 logger = logging.getLogger("ray.serve")
 RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+READY_TIMEOUT_S = 2.0  # /healthz: how long the pools may take to answer before it says 503
 
 app = FastAPI(title="specserve", description="Exact speculative decoding, OpenAI-compatible API")
 
@@ -341,8 +342,10 @@ class Router(GrpcApi):
         """Returns once the pools answer (their model is loaded); raises NotReady while they start."""
         if self._info is None:
             try:
-                await asyncio.wait_for(self._model_info(), timeout=2.0)
-            except Exception as exc:  # not loaded yet, or refused (e.g. a vocabulary mismatch)
+                await asyncio.wait_for(self._model_info(), timeout=READY_TIMEOUT_S)
+            except TimeoutError:
+                raise NotReady(f"not ready: the pools did not answer within {READY_TIMEOUT_S:g} s") from None
+            except Exception as exc:  # refused (e.g. a vocabulary mismatch)
                 raise NotReady(f"not ready: {type(exc).__name__}: {exc}") from None
 
     def prompt_ids(self, body) -> list[int]:
