@@ -6,6 +6,7 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import json
+import pathlib
 
 import pytest
 
@@ -476,6 +477,46 @@ def test_profile_section_is_written_once_and_kept_when_the_page_is_rewritten(tmp
     assert "Before (old)" not in page
     section = profile.marked_section(page)
     assert section.startswith(profile.BEGIN) and section.endswith(profile.END)
+
+
+def test_benchmarks_page_keeps_every_marked_section_when_a_run_rewrites_it(tmp_path):
+    from specserve.benchmarks import profile, report, suite
+
+    row = {"ms": 80.0, "matmuls": 60.0, "output layer": 10.0, "attention": 5.0, "other": 5.0}
+    run = {"target": "t", "dtype": "bfloat16", "threads": 2, "context": 256, "passes": {"decode, batch 1": row}}
+    profile.write_docs(str(tmp_path), profile.docs_section(run, None, "cmd"))
+    sweep = "<!-- load-aware: from docs/bench/sweep -->\n## Load-aware\n\n| a |\n<!-- /load-aware -->"
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text(page.read_text() + "\n" + sweep + "\n")
+    saved = pathlib.Path(__file__).parents[1] / "docs" / "bench" / "adaptive-1-xeon" / "results.json"
+    suite.write_outputs(json.loads(saved.read_text()), tmp_path / "out", str(tmp_path))
+    rewritten = page.read_text()
+    assert report.kept_sections(rewritten) == [profile.marked_section(rewritten), sweep]
+    assert rewritten.count("<!-- /profile -->") == 1 and rewritten.count("<!-- /load-aware -->") == 1
+    # that run's own load-aware table: adaptive 4.89 tok/s against always on 4.82 on code at 1 stream
+    assert "| code | 1 | 3.80 | 4.82 | 4.89 | 1.01x | 1.01x |" in rewritten
+
+
+def test_load_aware_table_compares_adaptive_with_the_better_fixed_setting():
+    from specserve.benchmarks.report import load_aware_rows
+
+    def level(system, method, workload, streams, tok_s, off_share=None):
+        return {"system": system, "method": method, "workload": workload, "concurrency": streams,
+                "status": "ok", "throughput_tok_s": tok_s, "speculation_off_share": off_share}
+
+    runs = [level("specserve none", "none", "code", 1, 4.0),
+            level("specserve draft k=4", "draft", "code", 1, 5.0, 0.1),
+            level("specserve draft k=4 policy=adaptive", "draft", "code", 1, 5.1, 0.25),
+            level("specserve none", "none", "code", 8, 10.0),
+            level("specserve draft k=4", "draft", "code", 8, 8.0),
+            level("specserve draft k=4 policy=adaptive", "draft", "code", 8, 9.6, 0.99),
+            level("specserve none", "none", "chat", 1, 4.0),  # no adaptive run: no row
+            level("specserve draft k=4", "draft", "chat", 1, 5.0)]
+    [head, _, one, eight] = load_aware_rows(runs)
+    assert "adaptive / better fixed" in head
+    assert one == "| code | 1 | 4.00 | 5.00 | 5.10 | 1.02x | 1.02x | 75% |"
+    assert eight == "| code | 8 | 10.00 | 8.00 | 9.60 | 0.96x | 1.20x | 1% |"
+    assert load_aware_rows(runs[-2:]) == []
 
 
 def test_service_runs_sum_the_policys_decisions_and_report_the_off_share():

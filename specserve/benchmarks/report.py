@@ -6,6 +6,7 @@ Everything here reads the JSON dict only, so a report can be rendered again from
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 PLOTS = {
@@ -223,6 +224,41 @@ def _service_rows(runs: list[dict]) -> list[str]:
     return rows
 
 
+def _is_adaptive(run: dict) -> bool:
+    return "policy=adaptive" in run["system"]
+
+
+def load_aware_rows(runs: list[dict]) -> list[str]:
+    """Adaptive speculation against always off and always on, per workload and concurrency.
+
+    A row needs, at one workload and concurrency, target-only (`none`), one fixed speculative
+    setting and the same method with `policy=adaptive`; without that the table is empty.
+    """
+    rows = []
+    for workload in dict.fromkeys(r["workload"] for r in runs):
+        for streams in sorted({r["concurrency"] for r in runs if r["workload"] == workload}):
+            level = [r for r in runs if r["workload"] == workload and r["concurrency"] == streams
+                     and r["status"] == "ok"]
+            off = next((r for r in level if r["method"] == "none"), None)
+            adaptive = next((r for r in level if _is_adaptive(r)), None)
+            on = adaptive and next((r for r in level if r["method"] == adaptive["method"]
+                                    and not _is_adaptive(r)), None)
+            if not (off and on):
+                continue
+            t_off, t_on, t_ad = (r["throughput_tok_s"] for r in (off, on, adaptive))
+            if not (t_off > 0 and t_on > 0):  # nothing generated: no ratio to show
+                continue
+            share = adaptive.get("speculation_off_share")
+            speculating = "-" if share is None else f"{100 * (1 - share):.0f}%"
+            rows.append(f"| {workload} | {streams} | {t_off:.2f} | {t_on:.2f} | {t_ad:.2f} "
+                        f"| {t_ad / max(t_on, t_off):.2f}x | {t_ad / t_on:.2f}x | {speculating} |")
+    if not rows:
+        return []
+    return ["| workload | streams | always off | always on | adaptive | adaptive / better fixed "
+            "| adaptive / always on | adaptive's rounds that speculate |",
+            "|---|---|---|---|---|---|---|---|", *rows]
+
+
 def _service_notes(run: dict) -> str:
     notes = []
     passes = run.get("pass_throughputs") or []
@@ -273,6 +309,15 @@ def _service_load(setup: dict) -> str:
                 f"{setup['service_max_tokens']} new tokens (the library prompts first, then more from the same "
                 "seeded order)")
     return f"at each level every workload sends {setup['service_prompts']} requests"  # an older results.json
+
+
+# Sections of docs/BENCHMARKS.md written by something other than this page's run (the engine
+# profile, a load-aware sweep): `--docs` keeps them, between `<!-- NAME: ... -->` and `<!-- /NAME -->`.
+KEPT_SECTION = re.compile(r"<!-- ([a-z][a-z-]*): [^>]*-->.*?<!-- /\1 -->", re.S)
+
+
+def kept_sections(page: str) -> list[str]:
+    return [m.group(0) for m in KEPT_SECTION.finditer(page)]
 
 
 def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmarks") -> str:
@@ -392,5 +437,10 @@ def _service(doc: dict, image_prefix: str) -> list[str]:
     out = ["## Service mode", ""]
     for workload in dict.fromkeys(r["workload"] for r in service):
         out += [f"### {workload}", "", *_service_rows([r for r in service if r["workload"] == workload]), ""]
+    load_aware = load_aware_rows(service)
+    if load_aware:
+        out += ["### Load-aware speculation against fixed settings", "",
+                "tok/s of each setting (above) and adaptive's ratio to the better of always off and always on "
+                "at the same concurrency.", "", *load_aware, ""]
     out += _plots(doc, ("throughput", "latency"), image_prefix)
     return out

@@ -503,5 +503,5 @@ def write_outputs(doc: dict, out: Path, docs: str | None) -> None:
         images.mkdir(parents=True, exist_ok=True)
         write_plots(doc, images)
         page = Path(docs) / "BENCHMARKS.md"
-        kept = profile.marked_section(page.read_text()) if page.exists() else ""
-        page.write_text(report.markdown(doc, image_prefix="bench/") + (f"\n{kept}\n" if kept else ""))
+        kept = report.kept_sections(page.read_text()) if page.exists() else []
+        page.write_text(report.markdown(doc, image_prefix="bench/") + "".join(f"\n{k}\n" for k in kept))
