@@ -23,6 +23,8 @@ import json
 import sys
 import time
 
+from specserve.benchmarks.report import kept_sections
+
 LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise",
               "aten::bmm"}
 ATTENTION_OPS = {"aten::scaled_dot_product_attention", "aten::index_select", "aten::index_copy_",
@@ -136,9 +138,7 @@ BEGIN, END = "<!-- profile: written by specserve.benchmarks.profile -->", "<!-- 
 
 def marked_section(page: str) -> str:
     """The profile section of a BENCHMARKS.md page, markers included ('' when absent)."""
-    if BEGIN not in page or END not in page:
-        return ""
-    return page[page.index(BEGIN): page.index(END) + len(END)]
+    return next((section for section in kept_sections(page) if section.startswith(BEGIN)), "")
 
 
 def docs_section(after: dict, before: dict | None, command: str) -> str:
