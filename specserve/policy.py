@@ -57,6 +57,7 @@ class PolicyConfig:
     # estimate of a 90% position swings by ±0.13 from round to round, enough to pin k low)
     prior_acceptance: float = 0.6  # per-position acceptance before anything is measured
     warmup_rounds: int = 2  # speculative rounds a request runs as configured before the policy decides
+    # (unless its model says the configured depth loses to no speculation even at the prior)
     head_cost: float = 0.02  # co-located heads: their share of a target step
     # Every this many rounds without a draft at depth k+1, draft one level deeper than the
     # model's choice (when that still beats no speculation): a position never drafted is never
@@ -219,7 +220,7 @@ class AcceptanceTracker:
 class Decision:
     k: int
     goodput: dict[int, float]  # tokens per second per candidate k (the model's view)
-    reason: str  # "warmup" (the configured depth) | "model" | "probe" (one level deeper, to measure it)
+    reason: str  # "warmup" (the configured depth; off where no depth wins) | "model" | "probe" (one level deeper, to measure it)
     # | "measured" (off: the router measured that, at this load, no speculation gives more)
 
 
@@ -273,7 +274,7 @@ class SpeculationPolicy:
             raise ValueError(f"draft_cost must be one of {DRAFT_COSTS}, got {draft_cost!r}")
         if max_k <= 0:
             return Decision(0, {}, "model")
-        if acceptance.rounds < self.config.warmup_rounds or not load.target.observed:
+        if not load.target.observed:
             return Decision(max_k, {}, "warmup")
         batch = load.batch_ema if batch is None else batch
         catch_up_s = self.catch_up_seconds(load, batch, catch_up, draft_cost)
@@ -285,11 +286,24 @@ class SpeculationPolicy:
             if k and catch_up_s:
                 seconds[k] += catch_up_s / max(1.0, room / tokens)
             goodput[k] = tokens / seconds[k] if seconds[k] > 0 else 0.0
+        first = seconds[1] - (catch_up_s / max(1.0, room / acceptance.expected_tokens(1)) if catch_up_s else 0.0)
+        if acceptance.rounds < self.config.warmup_rounds:
+            # Nothing measured yet for this kind of speculation: the configured depth, to measure
+            # every position, unless the model says that at the prior acceptance no depth beats
+            # no speculation at this load (a burst of new requests on a saturated pool would
+            # otherwise each draft k, and pay a draft-pool prefill of its prompt, exactly when
+            # that costs most).
+            wins = any(goodput[d] > goodput[0] for d in range(1, max_k + 1))
+            return Decision(max_k if wins else 0, goodput, "warmup")
         k = self._pick(goodput, min(current, max_k))
         if k < max_k and acceptance.age(k) >= self.config.probe_every:
             # one level deeper, to measure it: when the model says it beats no speculation, or
-            # (from off, where nothing is measured) when it would at the prior acceptance
-            deeper = goodput[k + 1] if k else (1.0 + max(acceptance.rate(0), acceptance.prior)) / seconds[1]
+            # (from off, where nothing is measured) when it would at the prior acceptance. A
+            # probe from off that finds nothing turns speculation off again, so its catch-up is
+            # not spread over the rounds left but over the rounds its measurement serves (until
+            # the next probe): under load a probe's draft-pool prefill is not free.
+            probe_s = first + catch_up_s / self.config.probe_every
+            deeper = goodput[k + 1] if k else (1.0 + max(acceptance.rate(0), acceptance.prior)) / probe_s
             if deeper > goodput[0]:
                 return Decision(k + 1, goodput, "probe")
         return Decision(k, goodput, "model")

@@ -201,10 +201,14 @@ def test_low_acceptance_turns_speculation_off_even_when_idle():
     assert decision.k == 0
 
 
-def test_a_new_request_warms_up_at_its_configured_depth():
+def test_a_new_request_warms_up_at_its_configured_depth_unless_that_loses_at_this_load():
     policy, load = SpeculationPolicy(), loaded_model(random.Random(5))
-    decision = policy.choose(policy.tracker("draft/chain", 8), load, current=8, max_k=8, batch=256)
-    assert (decision.k, decision.reason) == (8, "warmup")
+    idle = policy.choose(policy.tracker("draft/chain", 8), load, current=8, max_k=8, batch=1)
+    assert (idle.k, idle.reason) == (8, "warmup")
+    # a burst on a saturated pool: even at the prior acceptance drafting loses, so it does not
+    saturated = policy.choose(policy.tracker("draft/chain", 8), load, current=8, max_k=8, batch=256)
+    assert (saturated.k, saturated.reason) == (0, "warmup")
+    assert saturated.goodput[0] == max(saturated.goodput.values())
 
 
 def _state(spec: Speculation) -> RequestState:
@@ -412,3 +416,16 @@ def test_request_state_tells_the_policy_what_the_draft_pool_missed():
     state.commit(VerifyResult("r", 0, [4]), TokenTree())  # a round without a draft
     state.plan_round(policy, load, batch=1)
     assert seen[-1] == (4, 96)
+
+
+def test_a_probe_from_off_weighs_the_prefill_it_makes_the_draft_pool_do():
+    """A probe from off makes the draft pool prefill everything the request emitted while off;
+    a probe that finds nothing leaves speculation off, so that prefill is not spread over the
+    rounds left. A small gap is probed, a long one (under load, a prompt's worth) is not."""
+    load = loaded_model(random.Random(14))
+    policy = SpeculationPolicy()
+    poor = measured(0.1)
+    poor.prior, poor.ages = 0.6, [10 ** 6] * 8  # probing is due
+    assert policy.choose(poor, load, current=0, max_k=4, batch=4, catch_up=8, room=10 ** 6).reason == "probe"
+    long_gap = policy.choose(poor, load, current=0, max_k=4, batch=4, catch_up=600, room=10 ** 6)
+    assert (long_gap.k, long_gap.reason) == (0, "model")
