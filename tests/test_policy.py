@@ -7,6 +7,7 @@ seeded noise.
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -429,3 +430,27 @@ def test_a_probe_from_off_weighs_the_prefill_it_makes_the_draft_pool_do():
     assert policy.choose(poor, load, current=0, max_k=4, batch=4, catch_up=8, room=10 ** 6).reason == "probe"
     long_gap = policy.choose(poor, load, current=0, max_k=4, batch=4, catch_up=600, room=10 ** 6)
     assert (long_gap.k, long_gap.reason) == (0, "model")
+
+
+def test_the_policy_trace_records_a_round_and_what_the_decision_came_from(tmp_path):
+    from specserve.protocol import PoolLoad
+    from specserve.serve.policy_trace import PolicyTrace, trace_line
+
+    load = loaded_model(random.Random(16))
+    policy = SpeculationPolicy()
+    state = _state(Speculation(proposer="draft", k=4, policy="adaptive"))
+    decision = state.plan_round(policy, load, batch=1)
+    result = VerifyResult("r", 1, [7, 8], load=PoolLoad.measured(3, 9, 1, 0.2, queued=2))
+    trace = PolicyTrace(str(tmp_path / "trace.jsonl"))
+    for mode in ("model", "off"):
+        trace.write(trace_line(state, decision, mode=mode, in_flight=3, load=load, catch_up=3,
+                               k=state.round_k(), round_s=0.25, result=result, proposal=None))
+    lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert [line["mode"] for line in lines] == ["model", "off"]
+    first = lines[0]
+    assert first["k"] == decision.k and first["reason"] == decision.reason == "warmup"
+    assert first["goodput"] == {str(k): pytest.approx(g, abs=1e-3) for k, g in decision.goodput.items()}
+    assert first["target_step"] == pytest.approx(list(load.target.coefficients()), abs=1e-5)
+    assert first["target_load"] == {"calls": 3, "tokens_per_pass": 9.0, "seconds_per_pass": 0.2, "passes": 1,
+                                     "queued": 2}
+    assert first["draft_load"] is None and first["accepted"] == 1 and first["acceptance"] == [0.6] * 4

@@ -48,6 +48,7 @@ from specserve.serve.grpc_api import GrpcApi
 from specserve.serve.http_guard import HttpPolicy, RequestGuard
 from specserve.serve.limits import DeadlineExceeded, check_request, deadline_message
 from specserve.serve.metrics import RouterMetrics, SpecCounts
+from specserve.serve.policy_trace import PolicyTrace, trace_line
 from specserve.serve.openai_api import (
     ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage,
 )
@@ -134,6 +135,7 @@ class Router(GrpcApi):
         self.ngram = NgramProposer(max_n=self.spec.ngram.max_n, min_n=self.spec.ngram.min_n)
         self._background: set[asyncio.Task] = set()  # asyncio keeps only weak references to tasks
         self.metrics = RouterMetrics()
+        self.trace = PolicyTrace.from_env()  # SPECSERVE_POLICY_TRACE: the policy's rounds, for diagnosis
 
     # ---- pool plumbing -------------------------------------------------------------------
 
@@ -222,7 +224,9 @@ class Router(GrpcApi):
                 started = time.perf_counter()
                 # only requests the policy steers take part in (and are measured by) its epochs
                 mode = self.modes.mode(time.monotonic(), self.in_rounds) if state.adaptive else "model"
-                state.plan_round(self.policy, self.load, measured_off=mode == "off")
+                catch_up = len(state.token_ids) - state.draft_synced  # what the draft pool has not seen
+                decision = state.plan_round(self.policy, self.load, measured_off=mode == "off")
+                k = state.round_k()
                 draft_call = state.needs_proposer and state.speculation.draft_cost == "pool"
                 if state.needs_proposer:  # a draft pool's round, or prompt lookup
                     proposal = await self._before(deadline, state, self._propose(state.propose_request(),
@@ -235,6 +239,10 @@ class Router(GrpcApi):
                 overhead = max(0.0, time.perf_counter() - started - compute)
                 state.stats.round_trip_overhead_s += overhead
                 self._observe_load(result, proposal, overhead, draft_call)
+                if self.trace is not None:
+                    self.trace.write(trace_line(state, decision, mode=mode, in_flight=self.in_rounds, load=self.load,
+                                                catch_up=catch_up, k=k, round_s=time.perf_counter() - started,
+                                                result=result, proposal=proposal))
                 counts = SpecCounts.of(state.stats)
                 emitted = state.commit(result, verify.draft)
                 if state.adaptive:

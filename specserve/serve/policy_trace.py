@@ -1,0 +1,70 @@
+"""The load-aware policy's rounds, one JSON line each: what it decided, from what, and what came of it.
+
+Set SPECSERVE_POLICY_TRACE=/path/trace.jsonl where the router replicas run (`serve run` passes
+its environment on; on a cluster, the application's runtime_env `env_vars`) and every round
+appends a line (`reason` null for a request with a fixed setting, which the policy does not
+steer). It shows why adaptive speculation did what it did at some load: the model's goodput per
+depth, the fitted step times, the measured mode, and the round's own wall time and pool loads
+to check them against. Off by default; a line costs a
+write per round (rounds take 100 ms or more), so it is meant for diagnosis, not for always.
+
+    {"t": 1795561141.49, "request": "692715", "in_flight": 8, "mode": "off", "k": 0,
+     "reason": "measured", "goodput": {"0": 3.1, "1": 0.6}, "target_step": [0.16, 0.0067], ...}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from specserve.policy import Decision, LoadModel
+from specserve.protocol import PoolLoad, Proposal, VerifyResult
+from specserve.request_state import RequestState
+
+TRACE_ENV = "SPECSERVE_POLICY_TRACE"
+
+
+def _load(load: PoolLoad | None) -> dict | None:
+    if load is None:
+        return None
+    return {"calls": load.batch_size, "tokens_per_pass": round(load.batch_tokens, 2),
+            "seconds_per_pass": round(load.step_s, 4), "passes": load.passes, "queued": load.queued}
+
+
+def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_flight: int, load: LoadModel,
+               catch_up: int, k: int, round_s: float, result: VerifyResult, proposal: Proposal | None) -> dict:
+    """One round of `state` as the trace records it (`k`: the depth the round drafted)."""
+    def line(coefficients: tuple[float, float]) -> list[float]:
+        return [round(c, 5) for c in coefficients]
+
+    return {
+        "t": round(time.time(), 3), "request": state.request_id[:12], "in_flight": in_flight, "mode": mode,
+        "k": k, "reason": decision.reason if decision else None,
+        "goodput": {str(d): round(g, 3) for d, g in decision.goodput.items()} if decision else None,
+        "target_step": line(load.target.coefficients()),  # [fixed s, s per token]
+        "draft_step": line(load.draft.coefficients()) if load.draft.observed else None,
+        "batch_ema": round(load.batch_ema, 2), "overhead_s": round(load.overhead_s, 4),
+        "draft_overhead_s": None if load.draft_overhead_s is None else round(load.draft_overhead_s, 4),
+        "catch_up": catch_up, "round_s": round(round_s, 4), "accepted": result.num_accepted,
+        "target_load": _load(result.load), "draft_load": _load(proposal.load if proposal is not None else None),
+        "acceptance": [round(r, 3) for r in state.acceptance.rates] if state.acceptance is not None else None,
+    }
+
+
+class PolicyTrace:
+    """Appends trace lines to a file (opened on the first line, in the replica that writes)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = None
+
+    @classmethod
+    def from_env(cls) -> PolicyTrace | None:
+        path = os.environ.get(TRACE_ENV)
+        return cls(path) if path else None
+
+    def write(self, line: dict) -> None:
+        if self._file is None:
+            self._file = open(self.path, "a", buffering=1)  # line-buffered: a crash keeps what was written
+        self._file.write(json.dumps(line) + "\n")
