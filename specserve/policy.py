@@ -16,8 +16,12 @@ For each depth k (a chain's length, a tree's depth cap, 0 = off) it predicts the
 goodput if every request in the batch did the same:
 
     goodput(k) = E[tokens | k] / round_seconds(k)
-    E[tokens | k] = 1 + sum_{j<=k} prod_{d<=j} accept_d       (Leviathan et al. 2023, per position)
-    round_seconds(k) = overhead(k) + k * draft_step(B * width) + target_step(B * (1 + nodes(k)))
+    E[tokens | k] = 1 + sum_{j<k} prod_{d<=j} drafted_d * accept_d   (Leviathan et al. 2023, per position)
+    round_seconds(k) = overhead(k) + steps(k) * draft_step(B * width) + target_step(B * (1 + nodes(k)))
+
+where drafted_d is the measured chance that the proposer drafts position d when asked (a draft
+model stops where its confidence falls, so k is a cap: a round asked for 4 often drafts 1 or 2),
+steps(k) the proposer steps that takes and nodes(k) the nodes it drafts (times the tree's width).
 
 A request that was off has a one-off cost before it can draft again: the draft pool prefills
 everything since its last draft. For a k > 0, that catch-up (the draft pool's per-token cost
@@ -154,7 +158,10 @@ class LoadModel:
 @dataclass
 class AcceptanceTracker:
     """A request's drafts, measured: per draft position d (0-based) the EMA of P(token at depth
-    d+1 accepted | depth d was), and the EMA of drafted nodes per level (1 for chains)."""
+    d+1 accepted | depth d was), the EMA of P(the proposer drafts position d | it drafted the
+    one before and was asked for d) — a draft model stops where its confidence falls
+    (`draft_min_confidence`), a dynamic tree where its scores do, so a depth asked for is a cap,
+    not what is drafted — and the EMA of drafted nodes per level (1 for chains)."""
 
     rates: list[float]
     prior: float = 0.6
@@ -163,6 +170,7 @@ class AcceptanceTracker:
     rounds: int = 0  # speculative rounds observed
     nodes_per_level: float = 1.0
     ages: list[int] = field(default_factory=list)  # per position: rounds since it was last drafted
+    survival: list[float] = field(default_factory=list)  # per position; 1.0 until measured
     # The deployment-wide tracker this one was copied from: it learns from every request's rounds.
     shared: AcceptanceTracker | None = field(default=None, repr=False)
 
@@ -170,14 +178,20 @@ class AcceptanceTracker:
     def with_prior(cls, config: PolicyConfig, positions: int) -> AcceptanceTracker:
         return cls([config.prior_acceptance] * positions, config.prior_acceptance, config.acceptance_ema)
 
-    def observe(self, drafted_depth: int, accepted: int, nodes: int | None = None) -> None:
-        """A round drafted `drafted_depth` levels (`nodes` nodes; default a chain) and
-        `accepted` of them were accepted: positions 0..accepted-1 succeeded, position
-        `accepted` (if drafted) failed, deeper ones were not reached."""
+    def observe(self, drafted_depth: int, accepted: int, nodes: int | None = None, asked: int | None = None) -> None:
+        """A round asked for `asked` levels (None: not known), drafted `drafted_depth` of them
+        (`nodes` nodes; default a chain) and `accepted` of those were accepted: positions
+        0..accepted-1 succeeded, position `accepted` (if drafted) failed, deeper ones were not
+        reached. Positions 0..drafted_depth-1 were drafted; position drafted_depth, if asked
+        for, was not (the proposer stopped there)."""
+        if self.shared is not None:
+            self.shared.observe(drafted_depth, accepted, nodes, asked)
+        for d in range(min(drafted_depth + 1, asked or 0)):
+            while d >= len(self.survival):
+                self.survival.append(1.0)
+            self.survival[d] += self.weight * ((1.0 if d < drafted_depth else 0.0) - self.survival[d])
         if drafted_depth <= 0:
             return
-        if self.shared is not None:
-            self.shared.observe(drafted_depth, accepted, nodes)
         self.rounds += 1
         self.ages = [0] * drafted_depth + [a + 1 for a in self.ages[drafted_depth:]]
         for d in range(min(drafted_depth, accepted + 1)):
@@ -194,25 +208,46 @@ class AcceptanceTracker:
         stopped speculating because its own drafts failed tries again some time later, and one
         that stopped because of load keeps a realistic view of its drafts instead of decaying
         to a pessimistic prior that would keep it off after the load is gone."""
-        shared = self.shared.rates if self.shared is not None else []
+        shared = self.shared if self.shared is not None else None
         step = self.relax_step
         self.ages = [a + 1 for a in self.ages]
-        self.rates = [r + step * ((shared[d] if d < len(shared) else self.prior) - r)
-                      for d, r in enumerate(self.rates)]
+        self.rates = [r + step * ((shared.rate(d) if shared else self.prior) - r) for d, r in enumerate(self.rates)]
+        self.survival = [s + step * ((shared.survive(d) if shared else 1.0) - s) for d, s in enumerate(self.survival)]
 
     def rate(self, position: int) -> float:
         return self.rates[position] if position < len(self.rates) else self.prior
+
+    def survive(self, position: int) -> float:
+        return self.survival[position] if position < len(self.survival) else 1.0
 
     def age(self, position: int) -> float:
         """Rounds since a draft last reached `position` (never: infinity)."""
         return self.ages[position] if position < len(self.ages) else math.inf
 
     def expected_tokens(self, k: int) -> float:
-        """Tokens a round with k drafted positions emits on average, the target's own included."""
+        """Tokens a round asked for k positions emits on average, the target's own included:
+        position d counts when it is drafted and it and every one above it are accepted."""
         total, run = 1.0, 1.0
         for d in range(k):
-            run *= self.rates[d] if d < len(self.rates) else self.prior
+            run *= self.survive(d) * self.rate(d)
             total += run
+        return total
+
+    def expected_drafted(self, k: int) -> float:
+        """Positions a round asked for k drafts on average (a chain's nodes)."""
+        total, run = 0.0, 1.0
+        for d in range(k):
+            run *= self.survive(d)
+            total += run
+        return total
+
+    def expected_steps(self, k: int) -> float:
+        """Proposer steps a round asked for k takes on average: the step that decides position
+        d runs when every position above it was drafted (a stop costs the step that stopped)."""
+        total, run = 0.0, 1.0
+        for d in range(k):
+            total += run
+            run *= self.survive(d)
         return total
 
 
@@ -236,17 +271,20 @@ class SpeculationPolicy:
         """A new request's acceptance tracker: a copy of what this kind of speculation
         (e.g. "draft/chain") measured so far, which it keeps teaching."""
         shared = self._shared.setdefault(kind, AcceptanceTracker.with_prior(self.config, positions))
-        return replace(shared, rates=list(shared.rates), shared=shared)
+        return replace(shared, rates=list(shared.rates), survival=list(shared.survival), ages=list(shared.ages),
+                       shared=shared)
 
     def round_seconds(self, k: int, load: LoadModel, batch: float, *, nodes: float, width: float,
-                      draft_cost: str) -> float:
-        """Predicted wall time of a round in which every one of `batch` requests drafts `k`
-        levels holding `nodes` nodes in all (`width` per level on average)."""
+                      draft_cost: str, steps: float | None = None) -> float:
+        """Predicted wall time of a round in which every one of `batch` requests is asked for
+        `k` levels, takes `steps` proposer steps (default k) and drafts `nodes` nodes in all
+        (`width` per level on average)."""
         verify = load.target.predict(batch * (1.0 + nodes))
         if k == 0:
             return load.round_overhead(draft_call=False) + verify
         if draft_cost == "pool":
-            draft = k * load.draft.predict(batch * width) if load.draft.observed else 0.0
+            steps = k if steps is None else steps
+            draft = steps * load.draft.predict(batch * width) if load.draft.observed else 0.0
         elif draft_cost == "co_located":
             draft = self.config.head_cost * load.target.predict(batch)
         else:
@@ -282,7 +320,8 @@ class SpeculationPolicy:
         for k in range(max_k + 1):
             width = acceptance.nodes_per_level
             tokens = acceptance.expected_tokens(k)
-            seconds[k] = self.round_seconds(k, load, batch, nodes=k * width, width=width, draft_cost=draft_cost)
+            seconds[k] = self.round_seconds(k, load, batch, nodes=acceptance.expected_drafted(k) * width, width=width,
+                                            draft_cost=draft_cost, steps=acceptance.expected_steps(k))
             if k and catch_up_s:
                 seconds[k] += catch_up_s / max(1.0, room / tokens)
             goodput[k] = tokens / seconds[k] if seconds[k] > 0 else 0.0

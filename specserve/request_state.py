@@ -235,7 +235,7 @@ class RequestState:
         depth = max(draft.depths) if len(draft) else 0  # positions count by depth: a tree has many nodes each
         add_counts(s.k_histogram, [0] * depth + [1])
         if self.acceptance is not None:
-            self.acceptance.observe(depth, result.num_accepted, len(draft))
+            self.acceptance.observe(depth, result.num_accepted, len(draft), asked=self.round_k())
         if len(draft):
             s.num_drafts += 1
             s.num_draft_tokens += len(draft)
