@@ -21,7 +21,7 @@ goodput if every request in the batch did the same:
 
 where drafted_d is the measured chance that the proposer drafts position d when asked (a draft
 model stops where its confidence falls, so k is a cap: a round asked for 4 often drafts 1 or 2),
-steps(k) the proposer steps that takes and nodes(k) the nodes it drafts (times the tree's width).
+steps(k) the levels it drafts (one proposer step each) and nodes(k) those levels times the tree's width.
 
 A request that was off has a one-off cost before it can draft again: the draft pool prefills
 everything since its last draft. For a k > 0, that catch-up (the draft pool's per-token cost
@@ -234,20 +234,12 @@ class AcceptanceTracker:
         return total
 
     def expected_drafted(self, k: int) -> float:
-        """Positions a round asked for k drafts on average (a chain's nodes)."""
+        """Positions a round asked for k drafts on average: a chain's nodes, and the proposer's
+        steps (each step drafts a level; a proposer stops after the level it was unsure of)."""
         total, run = 0.0, 1.0
         for d in range(k):
             run *= self.survive(d)
             total += run
-        return total
-
-    def expected_steps(self, k: int) -> float:
-        """Proposer steps a round asked for k takes on average: the step that decides position
-        d runs when every position above it was drafted (a stop costs the step that stopped)."""
-        total, run = 0.0, 1.0
-        for d in range(k):
-            total += run
-            run *= self.survive(d)
         return total
 
 
@@ -321,7 +313,7 @@ class SpeculationPolicy:
             width = acceptance.nodes_per_level
             tokens = acceptance.expected_tokens(k)
             seconds[k] = self.round_seconds(k, load, batch, nodes=acceptance.expected_drafted(k) * width, width=width,
-                                            draft_cost=draft_cost, steps=acceptance.expected_steps(k))
+                                            draft_cost=draft_cost, steps=acceptance.expected_drafted(k))
             if k and catch_up_s:
                 seconds[k] += catch_up_s / max(1.0, room / tokens)
             goodput[k] = tokens / seconds[k] if seconds[k] > 0 else 0.0

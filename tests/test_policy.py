@@ -458,16 +458,16 @@ def test_the_policy_trace_records_a_round_and_what_the_decision_came_from(tmp_pa
 
 def test_a_depth_asked_for_is_a_cap_the_proposer_may_stop_short_of():
     """A draft model stops where its confidence falls: asked for 4 it drafts 1-4 positions. The
-    tracker measures how often it goes on at each position, and the expected steps, drafted
-    nodes and tokens of a round follow from that (here checked exactly, then against rounds)."""
+    tracker measures how often it goes on at each position, and the expected drafted levels
+    (the proposer's steps) and tokens of a round follow from that (checked exactly, then
+    against rounds)."""
     halves = AcceptanceTracker([1.0] * 4, survival=[1.0, 0.5, 0.5, 0.5])
     assert halves.expected_drafted(4) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert halves.expected_steps(4) == pytest.approx(1 + 1 + 0.5 + 0.25)  # the step that stops counts
     assert halves.expected_tokens(4) == pytest.approx(1 + 1.875)
 
     rng = random.Random(18)
     tracker = AcceptanceTracker([0.6] * 4, weight=0.02)
-    drafted, steps, tokens, rounds = 0, 0, 0, 3000
+    drafted, tokens, rounds = 0, 0, 3000
     for _ in range(rounds):
         depth = 1
         while depth < 4 and rng.random() < 0.5:
@@ -476,11 +476,10 @@ def test_a_depth_asked_for_is_a_cap_the_proposer_may_stop_short_of():
         while accepted < depth and rng.random() < 0.9:
             accepted += 1
         tracker.observe(depth, accepted, asked=4)
-        drafted, steps, tokens = drafted + depth, steps + min(depth + 1, 4), tokens + accepted + 1
+        drafted, tokens = drafted + depth, tokens + accepted + 1
     assert tracker.survive(0) == pytest.approx(1.0)
     assert [tracker.survive(d) for d in (1, 2, 3)] == pytest.approx([0.5] * 3, abs=0.12)
     assert tracker.expected_drafted(4) == pytest.approx(drafted / rounds, rel=0.1)
-    assert tracker.expected_steps(4) == pytest.approx(steps / rounds, rel=0.1)
     assert tracker.expected_tokens(4) == pytest.approx(tokens / rounds, rel=0.1)
 
 
@@ -495,4 +494,4 @@ def test_a_draft_that_stops_when_unsure_keeps_its_cap_where_it_is_cheap():
     assert policy.choose(sure, load, current=4, max_k=4, batch=256).k == 0
     charged_in_full = policy.round_seconds(4, load, 1, nodes=4, width=1, draft_cost="pool")
     assert charged_in_full > policy.round_seconds(4, load, 1, nodes=sure.expected_drafted(4), width=1,
-                                               draft_cost="pool", steps=sure.expected_steps(4))
+                                               draft_cost="pool", steps=sure.expected_drafted(4))
