@@ -233,6 +233,17 @@ class AcceptanceTracker:
             total += run
         return total
 
+    def expectations(self, max_k: int) -> tuple[list[float], list[float]]:
+        """(expected_tokens(k), expected_drafted(k)) for every k in 0..max_k, in one pass."""
+        tokens, drafted = [1.0], [0.0]
+        accepted_run, drafted_run = 1.0, 1.0
+        for d in range(max_k):
+            drafted_run *= self.survive(d)
+            accepted_run *= self.survive(d) * self.rate(d)
+            tokens.append(tokens[-1] + accepted_run)
+            drafted.append(drafted[-1] + drafted_run)
+        return tokens, drafted
+
     def expected_drafted(self, k: int) -> float:
         """Positions a round asked for k drafts on average: a chain's nodes, and the proposer's
         steps (each step drafts a level; a proposer stops after the level it was unsure of)."""
@@ -309,15 +320,16 @@ class SpeculationPolicy:
         batch = load.batch_ema if batch is None else batch
         catch_up_s = self.catch_up_seconds(load, batch, catch_up, draft_cost)
         goodput, seconds = {}, {}
+        width = acceptance.nodes_per_level
+        expected_tokens, expected_drafted = acceptance.expectations(max_k)
         for k in range(max_k + 1):
-            width = acceptance.nodes_per_level
-            tokens = acceptance.expected_tokens(k)
-            seconds[k] = self.round_seconds(k, load, batch, nodes=acceptance.expected_drafted(k) * width, width=width,
-                                            draft_cost=draft_cost, steps=acceptance.expected_drafted(k))
+            tokens, levels = expected_tokens[k], expected_drafted[k]
+            seconds[k] = self.round_seconds(k, load, batch, nodes=levels * width, width=width, draft_cost=draft_cost,
+                                            steps=levels)
             if k and catch_up_s:
                 seconds[k] += catch_up_s / max(1.0, room / tokens)
             goodput[k] = tokens / seconds[k] if seconds[k] > 0 else 0.0
-        first = seconds[1] - (catch_up_s / max(1.0, room / acceptance.expected_tokens(1)) if catch_up_s else 0.0)
+        first = seconds[1] - (catch_up_s / max(1.0, room / expected_tokens[1]) if catch_up_s else 0.0)
         if acceptance.rounds < self.config.warmup_rounds:
             # Nothing measured yet for this kind of speculation: the configured depth, to measure
             # every position, unless the model says that at the prior acceptance no depth beats

@@ -464,6 +464,9 @@ def test_a_depth_asked_for_is_a_cap_the_proposer_may_stop_short_of():
     halves = AcceptanceTracker([1.0] * 4, survival=[1.0, 0.5, 0.5, 0.5])
     assert halves.expected_drafted(4) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert halves.expected_tokens(4) == pytest.approx(1 + 1.875)
+    tokens, drafted = halves.expectations(4)
+    assert tokens == pytest.approx([halves.expected_tokens(k) for k in range(5)])
+    assert drafted == pytest.approx([halves.expected_drafted(k) for k in range(5)])
 
     rng = random.Random(18)
     tracker = AcceptanceTracker([0.6] * 4, weight=0.02)
