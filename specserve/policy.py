@@ -17,11 +17,11 @@ goodput if every request in the batch did the same:
 
     goodput(k) = E[tokens | k] / round_seconds(k)
     E[tokens | k] = 1 + sum_{j<k} prod_{d<=j} drafted_d * accept_d   (Leviathan et al. 2023, per position)
-    round_seconds(k) = overhead(k) + steps(k) * draft_step(B * width) + target_step(B * (1 + nodes(k)))
+    round_seconds(k) = overhead(k) + levels(k) * draft_step(B * width) + target_step(B * (1 + nodes(k)))
 
 where drafted_d is the measured chance that the proposer drafts position d when asked (a draft
 model stops where its confidence falls, so k is a cap: a round asked for 4 often drafts 1 or 2),
-steps(k) the levels it drafts (one proposer step each) and nodes(k) those levels times the tree's width.
+levels(k) the levels it drafts (one proposer step each) and nodes(k) those levels times the tree's width.
 
 A request that was off has a one-off cost before it can draft again: the draft pool prefills
 everything since its last draft. For a k > 0, that catch-up (the draft pool's per-token cost
@@ -208,7 +208,7 @@ class AcceptanceTracker:
         stopped speculating because its own drafts failed tries again some time later, and one
         that stopped because of load keeps a realistic view of its drafts instead of decaying
         to a pessimistic prior that would keep it off after the load is gone."""
-        shared = self.shared if self.shared is not None else None
+        shared = self.shared
         step = self.relax_step
         self.ages = [a + 1 for a in self.ages]
         self.rates = [r + step * ((shared.rate(d) if shared else self.prior) - r) for d, r in enumerate(self.rates)]
@@ -227,11 +227,7 @@ class AcceptanceTracker:
     def expected_tokens(self, k: int) -> float:
         """Tokens a round asked for k positions emits on average, the target's own included:
         position d counts when it is drafted and it and every one above it are accepted."""
-        total, run = 1.0, 1.0
-        for d in range(k):
-            run *= self.survive(d) * self.rate(d)
-            total += run
-        return total
+        return self.expectations(k)[0][k]
 
     def expectations(self, max_k: int) -> tuple[list[float], list[float]]:
         """(expected_tokens(k), expected_drafted(k)) for every k in 0..max_k, in one pass."""
@@ -247,19 +243,17 @@ class AcceptanceTracker:
     def expected_drafted(self, k: int) -> float:
         """Positions a round asked for k drafts on average: a chain's nodes, and the proposer's
         steps (each step drafts a level; a proposer stops after the level it was unsure of)."""
-        total, run = 0.0, 1.0
-        for d in range(k):
-            run *= self.survive(d)
-            total += run
-        return total
+        return self.expectations(k)[1][k]
 
 
 @dataclass(frozen=True)
 class Decision:
     k: int
     goodput: dict[int, float]  # tokens per second per candidate k (the model's view)
-    reason: str  # "warmup" (the configured depth; off where no depth wins) | "model" | "probe" (one level deeper, to measure it)
-    # | "measured" (off: the router measured that, at this load, no speculation gives more)
+    # "warmup" (the configured depth; off where no depth wins) | "model" | "probe" (one level
+    # deeper, to measure it) | "measured" (off: the router measured that, at this load, no
+    # speculation gives more)
+    reason: str
 
 
 class SpeculationPolicy:
@@ -278,16 +272,15 @@ class SpeculationPolicy:
                        shared=shared)
 
     def round_seconds(self, k: int, load: LoadModel, batch: float, *, nodes: float, width: float,
-                      draft_cost: str, steps: float | None = None) -> float:
+                      draft_cost: str) -> float:
         """Predicted wall time of a round in which every one of `batch` requests is asked for
-        `k` levels, takes `steps` proposer steps (default k) and drafts `nodes` nodes in all
-        (`width` per level on average)."""
+        `k` levels and drafts `nodes` nodes in all (`width` per level on average): one
+        proposer step per drafted level."""
         verify = load.target.predict(batch * (1.0 + nodes))
         if k == 0:
             return load.round_overhead(draft_call=False) + verify
         if draft_cost == "pool":
-            steps = k if steps is None else steps
-            draft = steps * load.draft.predict(batch * width) if load.draft.observed else 0.0
+            draft = nodes / width * load.draft.predict(batch * width) if load.draft.observed else 0.0
         elif draft_cost == "co_located":
             draft = self.config.head_cost * load.target.predict(batch)
         else:
@@ -319,17 +312,15 @@ class SpeculationPolicy:
             return Decision(max_k, {}, "warmup")
         batch = load.batch_ema if batch is None else batch
         catch_up_s = self.catch_up_seconds(load, batch, catch_up, draft_cost)
-        goodput, seconds = {}, {}
         width = acceptance.nodes_per_level
         expected_tokens, expected_drafted = acceptance.expectations(max_k)
-        for k in range(max_k + 1):
-            tokens, levels = expected_tokens[k], expected_drafted[k]
-            seconds[k] = self.round_seconds(k, load, batch, nodes=levels * width, width=width, draft_cost=draft_cost,
-                                            steps=levels)
-            if k and catch_up_s:
-                seconds[k] += catch_up_s / max(1.0, room / tokens)
-            goodput[k] = tokens / seconds[k] if seconds[k] > 0 else 0.0
-        first = seconds[1] - (catch_up_s / max(1.0, room / expected_tokens[1]) if catch_up_s else 0.0)
+        seconds = [self.round_seconds(k, load, batch, nodes=expected_drafted[k] * width, width=width,
+                                      draft_cost=draft_cost) for k in range(max_k + 1)]
+        goodput = {}
+        for k, tokens in enumerate(expected_tokens):
+            # the catch-up, spread over the rounds the request has left
+            total = seconds[k] + (catch_up_s / max(1.0, room / tokens) if k else 0.0)
+            goodput[k] = tokens / total if total > 0 else 0.0
         if acceptance.rounds < self.config.warmup_rounds:
             # Nothing measured yet for this kind of speculation: the configured depth, to measure
             # every position, unless the model says that at the prior acceptance no depth beats
@@ -345,7 +336,7 @@ class SpeculationPolicy:
             # probe from off that finds nothing turns speculation off again, so its catch-up is
             # not spread over the rounds left but over the rounds its measurement serves (until
             # the next probe): under load a probe's draft-pool prefill is not free.
-            probe_s = first + catch_up_s / self.config.probe_every
+            probe_s = seconds[1] + catch_up_s / self.config.probe_every
             deeper = goodput[k + 1] if k else (1.0 + max(acceptance.rate(0), acceptance.prior)) / probe_s
             if deeper > goodput[0]:
                 return Decision(k + 1, goodput, "probe")

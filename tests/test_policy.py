@@ -497,4 +497,4 @@ def test_a_draft_that_stops_when_unsure_keeps_its_cap_where_it_is_cheap():
     assert policy.choose(sure, load, current=4, max_k=4, batch=256).k == 0
     charged_in_full = policy.round_seconds(4, load, 1, nodes=4, width=1, draft_cost="pool")
     assert charged_in_full > policy.round_seconds(4, load, 1, nodes=sure.expected_drafted(4), width=1,
-                                               draft_cost="pool", steps=sure.expected_drafted(4))
+                                               draft_cost="pool")

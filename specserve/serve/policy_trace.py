@@ -34,7 +34,8 @@ def _load(load: PoolLoad | None) -> dict | None:
 
 def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_flight: int, load: LoadModel,
                catch_up: int, k: int, round_s: float, result: VerifyResult, proposal: Proposal | None) -> dict:
-    """One round of `state` as the trace records it (`k`: the depth the round drafted)."""
+    """One round of `state` as the trace records it (`k`: the depth the round asked for, a cap
+    the proposer may stop short of)."""
     def line(coefficients: tuple[float, float]) -> list[float]:
         return [round(c, 5) for c in coefficients]
 

@@ -224,9 +224,9 @@ class Router(GrpcApi):
                 started = time.perf_counter()
                 # only requests the policy steers take part in (and are measured by) its epochs
                 mode = self.modes.mode(time.monotonic(), self.in_rounds) if state.adaptive else "model"
-                catch_up = len(state.token_ids) - state.draft_synced  # what the draft pool has not seen
+                if self.trace is not None:  # what the draft pool has not seen, before this round's call
+                    catch_up = len(state.prompt_ids) + len(state.output_ids) - state.draft_synced
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off")
-                k = state.round_k()
                 draft_call = state.needs_proposer and state.speculation.draft_cost == "pool"
                 if state.needs_proposer:  # a draft pool's round, or prompt lookup
                     proposal = await self._before(deadline, state, self._propose(state.propose_request(),
@@ -241,8 +241,8 @@ class Router(GrpcApi):
                 self._observe_load(result, proposal, overhead, draft_call)
                 if self.trace is not None:
                     self.trace.write(trace_line(state, decision, mode=mode, in_flight=self.in_rounds, load=self.load,
-                                                catch_up=catch_up, k=k, round_s=time.perf_counter() - started,
-                                                result=result, proposal=proposal))
+                                                catch_up=catch_up, k=state.round_k(), result=result, proposal=proposal,
+                                                round_s=time.perf_counter() - started))
                 counts = SpecCounts.of(state.stats)
                 emitted = state.commit(result, verify.draft)
                 if state.adaptive:
