@@ -526,9 +526,12 @@ def test_service_runs_sum_the_policys_decisions_and_report_the_off_share():
     run.add_k_histogram({"0": 3, "4": 5})  # two requests' usage.speculation.k_histogram
     run.add_k_histogram({"0": 1, "2": 1})
     assert run.k_histogram == [4, 0, 1, 0, 5] and run.speculation_off_share == 0.4
+    run.add_policy_decisions({"warmup": 2, "model": 5})  # and their usage.speculation.policy_decisions
+    run.add_policy_decisions({"model": 1, "measured": 2})
+    assert run.policy_decisions == {"warmup": 2, "model": 6, "measured": 2}
     run.wall_s, run.tokens, run.requests, run.target_steps = 1.0, 20, 2, 10
     [_, _, row] = _service_rows([run.as_dict()])
-    assert row.endswith("| speculation off in 40% of rounds |")
+    assert row.endswith("| speculation off in 40% of rounds; policy rounds: model 60%, warmup 20%, measured 20% |")
     off = systems.ServiceRun("specserve none", "none", "code", 4)
     off.add_k_histogram({"0": 9})
     assert off.speculation_off_share is None  # not a decision: nothing to decide

@@ -267,6 +267,11 @@ def _service_notes(run: dict) -> str:
     off = run.get("speculation_off_share")
     if off is not None:
         notes.append(f"speculation off in {100 * off:.0f}% of rounds")
+    decisions = run.get("policy_decisions") or {}
+    if decisions:  # why the load-aware policy chose what it did, most common reason first
+        total = sum(decisions.values())
+        notes.append("policy rounds: " + ", ".join(f"{reason} {100 * n / total:.0f}%" for reason, n in
+                                                   sorted(decisions.items(), key=lambda item: -item[1])))
     return "; ".join(notes)
 
 

@@ -132,6 +132,7 @@ def measure(run: ServiceRun, url: str, model: str, prompt_ids: list[list[int]], 
         run.overhead_s += r.speculation.get("round_trip_overhead_ms_per_round", 0.0) \
             * r.speculation.get("target_steps", 0) / 1000
         run.add_k_histogram(r.speculation.get("k_histogram") or {})
+        run.add_policy_decisions(r.speculation.get("policy_decisions") or {})
         run.ttft_s.append(r.ttft_s)
         run.itl_s += [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])]
         if first:

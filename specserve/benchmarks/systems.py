@@ -267,6 +267,8 @@ class ServiceRun:
     same_as_reference: int | None = None  # outputs equal to specserve none's at the same concurrency
     k_histogram: list[int] = field(default_factory=list)  # rounds per drafted depth, all requests
     pass_throughputs: list[float] = field(default_factory=list)  # tok/s of each pass (--service-repeats)
+    # the load-aware policy's rounds per reason (warmup, model, probe, measured), all requests
+    policy_decisions: dict[str, int] = field(default_factory=dict)
 
     @property
     def throughput(self) -> float:
@@ -278,6 +280,11 @@ class ServiceRun:
             depth = int(depth)
             self.k_histogram += [0] * (depth + 1 - len(self.k_histogram))
             self.k_histogram[depth] += rounds
+
+    def add_policy_decisions(self, decisions: dict[str, int]) -> None:
+        """A request's `usage.speculation.policy_decisions` ({reason: rounds})."""
+        for reason, rounds in decisions.items():
+            self.policy_decisions[reason] = self.policy_decisions.get(reason, 0) + rounds
 
     @property
     def speculation_off_share(self) -> float | None:
