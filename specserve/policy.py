@@ -161,12 +161,14 @@ class AcceptanceTracker:
     d+1 accepted | depth d was), the EMA of P(the proposer drafts position d | it drafted the
     one before and was asked for d) — a draft model stops where its confidence falls
     (`draft_min_confidence`), a dynamic tree where its scores do, so a depth asked for is a cap,
-    not what is drafted — and the EMA of drafted nodes per level (1 for chains)."""
+    not what is drafted — and the EMA of drafted nodes per level (1 for chains). A position a
+    round does not measure (not asked for, not reached, or no speculation at all) drifts toward
+    the deployment-wide estimate instead: what a request measured long ago is stale."""
 
     rates: list[float]
     prior: float = 0.6
     weight: float = 0.1  # a new round's weight in the EMAs
-    relax_step: float = 0.03  # per round without speculation: the gap to the deployment halves in ~23
+    relax_step: float = 0.03  # per round that does not measure a position: its gap to the deployment halves in ~23
     rounds: int = 0  # speculative rounds observed
     nodes_per_level: float = 1.0
     ages: list[int] = field(default_factory=list)  # per position: rounds since it was last drafted
@@ -186,15 +188,23 @@ class AcceptanceTracker:
         for, was not (the proposer stopped there)."""
         if self.shared is not None:
             self.shared.observe(drafted_depth, accepted, nodes, asked)
-        for d in range(min(drafted_depth + 1, asked or 0)):
+        asked_for = min(drafted_depth + 1, asked or 0)
+        for d in range(asked_for):
             while d >= len(self.survival):
                 self.survival.append(1.0)
             self.survival[d] += self.weight * ((1.0 if d < drafted_depth else 0.0) - self.survival[d])
+        reached = min(drafted_depth, accepted + 1)
+        if asked and self.shared is not None:
+            # What this round did not measure drifts toward the deployment, as in rounds without
+            # speculation: a request whose rejections cut its depth to 1 does not keep the deeper
+            # positions' low estimates frozen (they are drafted only when probed, every
+            # `probe_every` rounds), it lets them age back toward what every request measures.
+            self._drift(rates_from=reached, survival_from=asked_for)
         if drafted_depth <= 0:
             return
         self.rounds += 1
         self.ages = [0] * drafted_depth + [a + 1 for a in self.ages[drafted_depth:]]
-        for d in range(min(drafted_depth, accepted + 1)):
+        for d in range(reached):
             while d >= len(self.rates):
                 self.rates.append(self.prior)
             hit = 1.0 if d < accepted else 0.0
@@ -208,11 +218,17 @@ class AcceptanceTracker:
         stopped speculating because its own drafts failed tries again some time later, and one
         that stopped because of load keeps a realistic view of its drafts instead of decaying
         to a pessimistic prior that would keep it off after the load is gone."""
-        shared = self.shared
-        step = self.relax_step
         self.ages = [a + 1 for a in self.ages]
-        self.rates = [r + step * ((shared.rate(d) if shared else self.prior) - r) for d, r in enumerate(self.rates)]
-        self.survival = [s + step * ((shared.survive(d) if shared else 1.0) - s) for d, s in enumerate(self.survival)]
+        self._drift(rates_from=0, survival_from=0)
+
+    def _drift(self, *, rates_from: int, survival_from: int) -> None:
+        """Move the estimates of positions from these on `relax_step` of the way toward the
+        deployment's (the prior's, with nothing shared): estimates not measured for a while."""
+        shared, step = self.shared, self.relax_step
+        for d in range(rates_from, len(self.rates)):
+            self.rates[d] += step * ((shared.rate(d) if shared else self.prior) - self.rates[d])
+        for d in range(survival_from, len(self.survival)):
+            self.survival[d] += step * ((shared.survive(d) if shared else 1.0) - self.survival[d])
 
     def rate(self, position: int) -> float:
         return self.rates[position] if position < len(self.rates) else self.prior

@@ -131,12 +131,12 @@ def test_it_never_speculates_where_its_own_model_says_speculation_loses():
         assert decision.k == 0 or decision.goodput[decision.k] > decision.goodput[0]
 
 
-def drafted_round(tracker: AcceptanceTracker, k: int, rate: float, rng: random.Random) -> None:
+def drafted_round(tracker: AcceptanceTracker, k: int, rate: float, rng: random.Random, asked: int | None = None) -> None:
     """One round of k drafted positions, each accepted with probability `rate`."""
     accepted = 0
     while accepted < k and rng.random() < rate:
         accepted += 1
-    tracker.observe(k, accepted)
+    tracker.observe(k, accepted, asked=asked)
 
 
 @pytest.mark.parametrize("probe_every", [16, 10 ** 9])
@@ -498,3 +498,31 @@ def test_a_draft_that_stops_when_unsure_keeps_its_cap_where_it_is_cheap():
     charged_in_full = policy.round_seconds(4, load, 1, nodes=4, width=1, draft_cost="pool")
     assert charged_in_full > policy.round_seconds(4, load, 1, nodes=sure.expected_drafted(4), width=1,
                                                draft_cost="pool")
+
+
+def test_positions_a_request_stopped_drafting_age_back_toward_the_deployment():
+    """The deployment's drafts are accepted 90% of the time at every position, but one
+    request's first rounds were rejected at position 1, so its estimate there is 0.3 and its
+    best k looks like 1. Rounds at k = 1 never measure position 1; without probing, its
+    estimate still ages back toward the deployment's and the request drafts deeper again."""
+    rng = random.Random(9)
+    load = loaded_model(rng)
+    policy = SpeculationPolicy(PolicyConfig(probe_every=10 ** 9))
+    shared = policy.tracker("draft/chain", 6).shared
+    shared.rates, shared.ages, shared.rounds = [0.9] * 6, [0] * 6, 50
+    tracker = policy.tracker("draft/chain", 6)
+    tracker.rates[1] = 0.3
+    assert policy.choose(tracker, load, current=1, max_k=6, batch=1).k == 1
+    k, ks = 1, []
+    for _ in range(150):
+        k = policy.choose(tracker, load, current=k, max_k=6, batch=1).k
+        ks.append(k)
+        if k == 0:
+            tracker.relax()
+        else:
+            drafted_round(tracker, k, 0.9, rng, asked=k)
+    assert ks[0] == 1 and min(ks[-30:]) >= 3
+    assert tracker.rates[1] > 0.7
+    alone = AcceptanceTracker([0.9, 0.3], prior=0.6, rounds=10, ages=[0, 0])  # nothing shared: frozen
+    alone.observe(1, 1, asked=1)
+    assert alone.rates[1] == 0.3
