@@ -57,6 +57,11 @@ DRAFT_COSTS = ("pool", "co_located", "free")  # a draft model pool / heads in th
 @dataclass(frozen=True)
 class PolicyConfig:
     hysteresis: float = 0.05  # change k only for more than this relative goodput gain
+    # A round's weight in the deployment-wide EMAs new requests start from: over ~50 rounds of
+    # many requests, so one request's closing streak of rejections does not become the starting
+    # estimate of every request after it (at 0.1 it did: on chat at 1 stream new requests began
+    # below break-even, turned speculation off, measured nothing and left the estimate there).
+    deployment_ema: float = 0.02
     acceptance_ema: float = 0.1  # a new round's weight in a request's acceptance EMA (at 0.3 the
     # estimate of a 90% position swings by ±0.13 from round to round, enough to pin k low)
     prior_acceptance: float = 0.6  # per-position acceptance before anything is measured
@@ -177,8 +182,9 @@ class AcceptanceTracker:
     shared: AcceptanceTracker | None = field(default=None, repr=False)
 
     @classmethod
-    def with_prior(cls, config: PolicyConfig, positions: int) -> AcceptanceTracker:
-        return cls([config.prior_acceptance] * positions, config.prior_acceptance, config.acceptance_ema)
+    def with_prior(cls, config: PolicyConfig, positions: int, weight: float | None = None) -> AcceptanceTracker:
+        return cls([config.prior_acceptance] * positions, config.prior_acceptance,
+                   config.acceptance_ema if weight is None else weight)
 
     def observe(self, drafted_depth: int, accepted: int, nodes: int | None = None, asked: int | None = None) -> None:
         """A round asked for `asked` levels (None: not known), drafted `drafted_depth` of them
@@ -283,9 +289,10 @@ class SpeculationPolicy:
     def tracker(self, kind: str, positions: int) -> AcceptanceTracker:
         """A new request's acceptance tracker: a copy of what this kind of speculation
         (e.g. "draft/chain") measured so far, which it keeps teaching."""
-        shared = self._shared.setdefault(kind, AcceptanceTracker.with_prior(self.config, positions))
+        shared = self._shared.setdefault(kind, AcceptanceTracker.with_prior(self.config, positions,
+                                                                            self.config.deployment_ema))
         return replace(shared, rates=list(shared.rates), survival=list(shared.survival), ages=list(shared.ages),
-                       shared=shared)
+                       weight=self.config.acceptance_ema, shared=shared)
 
     def round_seconds(self, k: int, load: LoadModel, batch: float, *, nodes: float, width: float,
                       draft_cost: str) -> float:
