@@ -261,7 +261,7 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, seq_len=args.seq_len, max_tokens=args.max_tokens,
         generated_tokens=args.generated_tokens, generated_share=args.generated_share,
         head_vocab_size=args.head_vocab, own_lm_head=args.own_lm_head, prefix_window=args.prefix_window,
-        seed=args.seed, dtype=args.dtype,
+        seed=args.seed, dtype=args.dtype, teacher_top=args.teacher_top,
         device=args.device, threads=args.threads, checkpoint_every=args.checkpoint_every,
         progress=not args.no_progress)
     validate_options(options)  # before any model is loaded
@@ -319,6 +319,9 @@ def add_train_heads_parser(subparsers) -> None:
     p.add_argument("--prefix-window", type=int, default=d.prefix_window,
                    help="hydra: Hydra++ prefix attention over the target's last N hidden states before the "
                         "heads (default 0: off; 16 is a good start)")
+    p.add_argument("--teacher-top", type=int, default=d.teacher_top,
+                   help=f"distil from the target's {d.teacher_top} most likely tokens per position, computed once "
+                        f"before training (default {d.teacher_top}; 0: its whole distribution, every step: slower)")
     p.add_argument("--seed", type=int, default=d.seed, help=f"same seed, same heads (default {d.seed})")
     p.add_argument("--dtype", default=d.dtype,
                    help=f"the target's dtype while caching hidden states (default {d.dtype}); heads train in float32")

@@ -23,6 +23,9 @@ from specserve.heads.train import (
     REPORT_FILE,
     TrainOptions,
     choose_token_map,
+    distillation_loss,
+    sparse_teacher,
+    teacher_distributions,
     train_heads,
 )
 from specserve.protocol import SpecserveError
@@ -75,12 +78,46 @@ def head_weights(result) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- learning
 
 
-def test_heads_learn_what_the_target_predicts(target, tmp_path):
-    result = train(target, tmp_path / "heads", tiny_options(steps=100))
+@pytest.mark.parametrize("teacher_top", [8, 0])  # distilled from the top 8 tokens, and from all 97
+def test_heads_learn_what_the_target_predicts(target, tmp_path, teacher_top):
+    result = train(target, tmp_path / "heads", tiny_options(steps=100, teacher_top=teacher_top))
     before, after = result.report["heldout_accuracy_before"], result.report["heldout_accuracy_after"]
     assert before[0] < 0.1
     assert after[0] > before[0] + 0.25, (before, after)
     assert all(a > b for a, b in zip(after, before)), (before, after)
+
+
+def test_the_sparse_teacher_is_the_top_of_the_whole_distribution_renormalised():
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(300, 16), torch.randn(40, 16) * 3
+    whole, none = teacher_distributions(hidden, weight)
+    assert none is None
+    torch.testing.assert_close(whole.sum(-1), torch.ones(300))
+    probs, index = sparse_teacher(hidden, weight, 5, progress=False, chunk=64)  # chunks: the same as one pass
+    assert probs.shape == index.shape == (300, 5)
+    top = whole.topk(5, dim=-1)
+    assert torch.equal(index, top.indices)
+    torch.testing.assert_close(probs, top.values / top.values.sum(-1, keepdim=True))
+    assert teacher_distributions(hidden, weight, 40)[1] is None  # keeping every token is the whole distribution
+
+
+def test_a_sparse_teacher_holding_every_token_gives_the_dense_loss(target):
+    from specserve.heads.medusa import MedusaConfig, MedusaHeads
+
+    torch.manual_seed(0)
+    weight = target.lm_head.weight.detach()
+    heads = MedusaHeads(MedusaConfig(hidden_size=weight.shape[1], vocab_size=VOCAB, num_heads=2), weight)
+    for p in heads.parameters():
+        p.data.normal_(0, 0.05)  # not the identity an untrained head is
+    h, later = torch.randn(6, weight.shape[1]), torch.randn(2, 6, weight.shape[1])
+    path = torch.zeros(6, 2, dtype=torch.long)
+    dense = distillation_loss(heads, h, path, teacher_distributions(later, weight), weight, 0.8)
+    probs = teacher_distributions(later, weight)[0]
+    order = probs.argsort(-1, descending=True)  # every token, in the sparse teacher's order
+    sparse = distillation_loss(heads, h, path, (probs.gather(-1, order), order), weight, 0.8)
+    for a, b in zip(dense, sparse):
+        torch.testing.assert_close(a, b)
+    assert dense[0] > 0 and 0 <= float(dense[2].min()) <= float(dense[2].max()) <= 1
 
 
 def test_resume_gives_the_uninterrupted_weights(target, tmp_path):
@@ -334,6 +371,7 @@ def test_full_vocabulary_writes_no_token_map(target, tmp_path):
     ({"num_heads": 0}, "num_heads must be >= 1"),
     ({"num_layers": 0}, "num_layers must be >= 1"),
     ({"lr": 0.0}, "lr must be > 0"),
+    ({"teacher_top": -1}, "teacher_top must be >= 0"),
     ({"dtype": "int8"}, "unknown dtype"),
 ])
 def test_bad_options_are_refused(target, tmp_path, changes, message):

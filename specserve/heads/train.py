@@ -84,6 +84,11 @@ class TrainOptions:
     dtype: str = "bfloat16"  # the target's dtype while caching; heads train in float32
     warmup_steps: int | None = None  # None: 5% of the steps, at most 100
     loss_decay: float = 0.8  # head i's loss weight is loss_decay ** i
+    # The teacher's distribution per position, computed once before training: its `teacher_top`
+    # most likely tokens, renormalised (0: the whole distribution, recomputed every step, which
+    # is a third of a step's matrix products and repeats each position's ~14 times at the default
+    # budget).
+    teacher_top: int = 64
     weight_decay: float = 0.0
     # How to run, not what to train: a resumed run may change these.
     device: str | None = None  # None: "cuda" when available, else "cpu"
@@ -203,6 +208,8 @@ def validate_options(options: TrainOptions) -> None:
         raise SpecserveError(f"lr must be > 0, got {options.lr}")
     if options.head_vocab_size is not None and options.head_vocab_size < 1:
         raise SpecserveError(f"head_vocab_size must be >= 1, got {options.head_vocab_size}")
+    if options.teacher_top < 0:
+        raise SpecserveError(f"teacher_top must be >= 0 (0: the whole distribution), got {options.teacher_top}")
     if options.warmup_steps is not None and options.warmup_steps < 0:
         raise SpecserveError(f"warmup_steps must be >= 0, got {options.warmup_steps}")
     from specserve.models import parse_dtype
@@ -367,13 +374,6 @@ def usable_positions(offsets: torch.Tensor, num_heads: int) -> torch.Tensor:
     return torch.cat(ranges) if ranges else torch.zeros(0, dtype=torch.long)
 
 
-def gather_rows(hidden: torch.Tensor, positions: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[num_heads + 1, B, H]: h_t, h_{t+1}, ..., h_{t+num_heads} for each position t."""
-    import torch
-
-    return hidden[positions[None, :] + torch.arange(num_heads + 1, device=positions.device)[:, None]]
-
-
 def sequence_starts(offsets: torch.Tensor) -> torch.Tensor:
     """[N]: for every position, where its sequence starts.
 
@@ -439,23 +439,56 @@ def student_logits(heads: TrainableHeads, h: torch.Tensor, path: torch.Tensor,
     return torch.stack([F.linear(o.to(dtype), w.to(dtype)) for o, w in zip(outs, heads.lm_heads)])
 
 
-def distillation_loss(heads: TrainableHeads, rows: torch.Tensor, path: torch.Tensor, teacher_weight: torch.Tensor,
-                      decay: float, context=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """rows: [K + 1, B, H] from `gather_rows`; path: [B, K] from `gather_path`; teacher_weight:
-    [head_vocab, H], the lm_head's token_map rows. Head i learns softmax(h_{t+i+1} @ teacher_weight.T), the target's
-    distribution of token t+i+2 restricted to the map.
-    Returns (weighted loss, per-head loss [K], per-head top-1 agreement with the teacher [K])."""
-    import torch
+def teacher_distributions(rows: torch.Tensor, teacher_weight: torch.Tensor, top: int = 0
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's distribution of the next token at hidden rows [..., H], over the token map:
+    (probabilities [..., head_vocab], None) for top=0, else its `top` most likely tokens,
+    renormalised, (probabilities [..., top], their indices in the map [..., top], most likely
+    first)."""
     import torch.nn.functional as F
 
-    num_heads, batch, hidden = rows[1:].shape
+    logits = F.linear(rows.to(teacher_weight.dtype), teacher_weight).float()
+    if not top or top >= logits.shape[-1]:
+        return logits.softmax(-1), None
+    values, index = logits.topk(top, dim=-1)
+    return values.softmax(-1), index  # the softmax of the top logits is the top probabilities renormalised
+
+
+def sparse_teacher(hidden: torch.Tensor, teacher_weight: torch.Tensor, top: int, *, progress: bool = True,
+                   chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """`teacher_distributions` of every row of `hidden` [N, H], computed once in chunks:
+    (probabilities [N, top] float32, indices [N, top])."""
+    import torch
+    from tqdm import tqdm
+
+    probs, index = [], []
     with torch.no_grad():
-        teacher = F.linear(rows[1:].reshape(-1, hidden).to(teacher_weight.dtype), teacher_weight)
-        teacher = teacher.float().softmax(-1).view(num_heads, batch, -1)
-    student = student_logits(heads, rows[0], path, teacher_weight, context).float().log_softmax(-1)
-    per_head = -(teacher * student).sum(-1).mean(-1)
+        for rows in tqdm(hidden.split(chunk), desc="teacher distributions", unit="chunk", disable=not progress,
+                         dynamic_ncols=True):
+            p, i = teacher_distributions(rows.to(teacher_weight.device), teacher_weight, top)
+            probs.append(p)
+            index.append(i)
+    return torch.cat(probs), torch.cat(index)
+
+
+def distillation_loss(heads: TrainableHeads, h: torch.Tensor, path: torch.Tensor,
+                      teacher: tuple[torch.Tensor, torch.Tensor | None], teacher_weight: torch.Tensor,
+                      decay: float, context=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h: [B, H], the rows the heads read; path: [B, K] from `gather_path`; teacher: head i's
+    target at every position, `teacher_distributions` of h_{t+i+1} ([K, B, ...]): the target's
+    distribution of token t+i+2 restricted to the map (whole, or its top tokens); teacher_weight:
+    [head_vocab, H], the lm_head's token_map rows the heads project with when they share it.
+    Returns (weighted loss, per-head loss [K], per-head top-1 agreement with the teacher [K])."""
+    import torch
+
+    probs, index = teacher
+    student = student_logits(heads, h, path, teacher_weight, context).float().log_softmax(-1)
+    picked = student if index is None else student.gather(-1, index)
+    per_head = -(probs * picked).sum(-1).mean(-1)
+    num_heads = per_head.shape[0]
     weights = decay ** torch.arange(num_heads, dtype=torch.float32, device=per_head.device)
-    agree = (student.argmax(-1) == teacher.argmax(-1)).float().mean(-1)
+    best = probs.argmax(-1) if index is None else index[..., 0]
+    agree = (student.argmax(-1) == best).float().mean(-1)
     return (weights * per_head).sum(), per_head.detach(), agree
 
 
@@ -702,6 +735,17 @@ def _train(heads: TrainableHeads, teacher_weight: torch.Tensor, options: TrainOp
     def evaluate() -> dict[str, list[float]]:
         return {name: heldout_accuracy(heads, teacher_weight, *tensors, device) for name, tensors in eval_sets.items()}
 
+    sparse = (sparse_teacher(hidden, teacher_weight, options.teacher_top, progress=options.progress)
+              if 0 < options.teacher_top < teacher_weight.shape[0] else None)
+    shifts = torch.arange(1, options.num_heads + 1, device=device)
+
+    def teacher_for(batch: torch.Tensor):
+        later = batch[None, :] + shifts[:, None]  # [K, B]: head i's teacher reads h_{t+i+1}
+        if sparse is None:
+            with torch.no_grad():
+                return teacher_distributions(hidden[later], teacher_weight)
+        return sparse[0][later], sparse[1][later]
+
     optimizer = torch.optim.AdamW(heads.trainable_parameters(), lr=options.lr, weight_decay=options.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(options.resolved_warmup(), options.steps))
     sampler = torch.Generator().manual_seed(options.seed)  # positions are drawn on the CPU: same on any device
@@ -735,13 +779,13 @@ def _train(heads: TrainableHeads, teacher_weight: torch.Tensor, options: TrainOp
             started = time.perf_counter()
             batch = torch.cat([p[torch.randint(len(p), (n,), generator=sampler)] for p, n in draws])
             batch = batch.to(device)
-            rows = gather_rows(hidden, batch, options.num_heads)
             path = gather_path(tokens, batch, options.num_heads)
             context = None
             if window:
                 lengths = torch.randint(1, window + 1, (len(batch),), generator=sampler).to(device)
                 context = gather_context(hidden, batch, starts, window, lengths)
-            loss, _, agree = distillation_loss(heads, rows, path, teacher_weight, options.loss_decay, context)
+            loss, _, agree = distillation_loss(heads, hidden[batch], path, teacher_for(batch), teacher_weight,
+                                               options.loss_decay, context)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
