@@ -27,13 +27,14 @@ models: setup
 
 # Heads for the default target, into $SPECSERVE_HOME/heads/qwen2.5-coder-1.5b-instruct-<method>
 # (default ~/.cache/specserve), every method on the same budget: 60k tokens of offline text, 50k
-# tokens of the target's own continuations (what the heads see when serving) and 600 steps.
+# tokens of the target's own continuations (what the heads see when serving; 70% of each step's
+# positions) and 1500 steps.
 # The target's hidden states are cached once in $SPECSERVE_HOME/heads/cache and shared, so the
 # first method trained pays for them and the others only train (times in the README).
 # Interrupted: `make heads HEADS_ARGS=--resume`; train again: HEADS_ARGS=--force.
 HEADS_ARGS ?=
 HEADS_BUDGET = --target qwen2.5-coder-1.5b-instruct --max-tokens 60000 --generated-tokens 50000 \
-    --steps 600 --heads 4 --layers 1 --dtype bfloat16
+    --generated-share 0.7 --steps 1500 --heads 4 --layers 1 --dtype bfloat16
 heads: models
 	$(VENV)/bin/specserve train-heads --method medusa $(HEADS_BUDGET) $(HEADS_ARGS)
 heads-hydra: models

@@ -65,7 +65,7 @@ class TrainOptions:
     method: str = "medusa"  # medusa | hydra | redrafter
     num_heads: int = 4  # ReDrafter: drafting steps (the longest beam it serves)
     num_layers: int = 1  # Medusa: ResBlocks per head; Hydra, ReDrafter: the input block + num_layers - 1 ResBlocks
-    steps: int = 600
+    steps: int = 1500
     lr: float = 1e-3
     batch_size: int = 256  # positions per step
     seq_len: int = 256  # tokens per forward pass while caching hidden states (KV carried over)
@@ -76,7 +76,7 @@ class TrainOptions:
     generated_tokens: int = 50_000  # tokens the target writes for training
     generated_eval_tokens: int = 1024  # ... and for held-out evaluation (held-out prompts)
     generated_max_new: int = 256  # longest continuation of one prompt
-    generated_share: float = 0.5  # share of each step's positions taken from the continuations
+    generated_share: float = 0.7  # share of each step's positions taken from the continuations
     head_vocab_size: int | None = None  # None: the full vocabulary up to 65536, else 32768
     own_lm_head: bool = False  # Medusa only: train a copy of the lm_head per head (large: slow on CPU)
     prefix_window: int = 0  # Hydra only: Hydra++ prefix attention over the last N hidden states (0: off)
@@ -118,7 +118,7 @@ def quick_options(**overrides) -> TrainOptions:
     clearly beat untrained ones: for tests and smoke runs."""
     base = TrainOptions(num_heads=2, steps=300, batch_size=256, max_tokens=16_000, eval_tokens=1024,
                         generated_tokens=3000, generated_eval_tokens=512, generated_max_new=128,
-                        head_vocab_size=8192, warmup_steps=10, checkpoint_every=1000, lr=3e-3,
+                        generated_share=0.5, head_vocab_size=8192, warmup_steps=10, checkpoint_every=1000, lr=3e-3,
                         dtype="float32")  # bfloat16 runs SmolLM2-135M several times slower here
     return replace(base, **overrides)
 
