@@ -62,7 +62,7 @@ def target():
 
 def tiny_options(**overrides) -> TrainOptions:
     base = TrainOptions(num_heads=3, steps=8, batch_size=64, lr=1e-2, warmup_steps=2, dtype="float32",
-                        checkpoint_every=3, progress=False, seed=0)
+                        generated_share=0.5, checkpoint_every=3, progress=False, seed=0)
     return replace(base, **overrides)
 
 
