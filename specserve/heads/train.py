@@ -84,9 +84,9 @@ class TrainOptions:
     dtype: str = "bfloat16"  # the target's dtype while caching; heads train in float32
     warmup_steps: int | None = None  # None: 5% of the steps, at most 100
     loss_decay: float = 0.8  # head i's loss weight is loss_decay ** i
-    # The teacher's distribution per position, computed once before training: its `teacher_top`
+    # The teacher's distribution per hidden row, computed once before training: its `teacher_top`
     # most likely tokens, renormalised (0: the whole distribution, recomputed every step, which
-    # is a third of a step's matrix products and repeats each position's ~14 times at the default
+    # is a third of a step's matrix products and works out each row's ~14 times at the default
     # budget).
     teacher_top: int = 64
     weight_decay: float = 0.0
