@@ -101,7 +101,7 @@ bench-ngram: models
 
 # Every proposer in one run, batch 1, HumanEval and MT-Bench: none, draft chain and tree, prompt
 # lookup, Medusa, Hydra and ReDrafter heads (train each first: make heads heads-hydra
-# heads-redrafter; a method without heads says so) (~1 h on a 2-core Xeon).
+# heads-redrafter; a method without heads says so) (37 min on a 2-core AMD EPYC).
 bench-methods: models
 	$(VENV)/bin/specserve bench --preset methods --out bench-results/methods
 
