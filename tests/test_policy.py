@@ -459,6 +459,7 @@ def test_the_policy_trace_records_a_round_and_what_the_decision_came_from(tmp_pa
     assert first["target_load"] == {"calls": 3, "tokens_per_pass": 9.0, "seconds_per_pass": 0.2, "passes": 1,
                                      "queued": 2}
     assert first["draft_load"] is None and first["accepted"] == 1 and first["acceptance"] == [0.6] * 4
+    assert first["drafted"] == 0 and first["survival"] == first["survival_accepted"] == []
 
 
 def test_a_depth_asked_for_is_a_cap_the_proposer_may_stop_short_of():
@@ -489,6 +490,32 @@ def test_a_depth_asked_for_is_a_cap_the_proposer_may_stop_short_of():
     assert [tracker.survive(d) for d in (1, 2, 3)] == pytest.approx([0.5] * 3, abs=0.12)
     assert tracker.expected_drafted(4) == pytest.approx(drafted / rounds, rel=0.1)
     assert tracker.expected_tokens(4) == pytest.approx(tokens / rounds, rel=0.1)
+
+
+def test_a_draft_that_goes_on_where_it_is_right_is_credited_for_it():
+    """A draft model goes on where it is confident, and that is where it is right: in easy
+    stretches it drafts deep and is accepted, in hard ones it stops early and is rejected. The
+    chance that it drafts a position after an accepted one is then higher than after any drafted
+    one, and expected tokens must use the former (the cost, drafted levels, the latter)."""
+    rng = random.Random(23)
+    tracker = AcceptanceTracker([0.6] * 4, weight=0.001)  # a slow EMA: close to the mean
+    drafted, tokens, rounds = 0, 0, 20000
+    for _ in range(rounds):
+        go_on, right = (0.95, 0.95) if rng.random() < 0.5 else (0.2, 0.3)
+        depth = 1
+        while depth < 4 and rng.random() < go_on:
+            depth += 1
+        accepted = 0
+        while accepted < depth and rng.random() < right:
+            accepted += 1
+        tracker.observe(depth, accepted, asked=4)
+        drafted, tokens = drafted + depth, tokens + accepted + 1
+    assert tracker.expected_tokens(4) == pytest.approx(tokens / rounds, rel=0.05)
+    assert tracker.expected_drafted(4) == pytest.approx(drafted / rounds, rel=0.05)
+    assert tracker.survive_accepted(1) > tracker.survive(1) + 0.1
+    # the same rates with survival after any draft: the deep positions' credit falls short
+    unconditional = AcceptanceTracker(list(tracker.rates), survival=list(tracker.survival))
+    assert unconditional.expected_tokens(4) < 0.9 * tokens / rounds
 
 
 def test_a_draft_that_stops_when_unsure_keeps_its_cap_where_it_is_cheap():

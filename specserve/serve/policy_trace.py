@@ -49,8 +49,16 @@ def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_
         "draft_overhead_s": None if load.draft_overhead_s is None else round(load.draft_overhead_s, 4),
         "catch_up": catch_up, "round_s": round(round_s, 4), "accepted": result.num_accepted,
         "target_load": _load(result.load), "draft_load": _load(proposal.load if proposal is not None else None),
-        "acceptance": [round(r, 3) for r in state.acceptance.rates] if state.acceptance is not None else None,
+        "drafted": max(proposal.tree.depths, default=0) if proposal is not None else 0,  # levels
+        "acceptance": _rounded(state.acceptance.rates if state.acceptance is not None else None),
+        # P(drafts a position | drafted the one above), and | it was also accepted
+        "survival": _rounded(state.acceptance.survival if state.acceptance is not None else None),
+        "survival_accepted": _rounded(state.acceptance.survival_accepted if state.acceptance is not None else None),
     }
+
+
+def _rounded(values: list[float] | None) -> list[float] | None:
+    return None if values is None else [round(v, 3) for v in values]
 
 
 class PolicyTrace:
