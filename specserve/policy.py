@@ -139,6 +139,14 @@ class LoadModel:
     overhead_s: float = 0.0
     draft_overhead_s: float | None = None
     smoothing: float = 0.2
+    # Once no round has called the draft pool for `overhead_stale_rounds` rounds, each further
+    # round without one moves the draft call's overhead `overhead_relax` of its gap toward the
+    # target-only one: it is measured only while requests speculate, so one taken in a burst (a
+    # round queued behind another request's draft-pool prefill: 0.72 s against ~0.015 s, code at
+    # 2 streams) would otherwise keep speculation off for good.
+    overhead_relax: float = 0.03
+    overhead_stale_rounds: int = 16
+    rounds_without_draft_call: int = 0
 
     def observe_target(self, batch_size: int, batch_tokens: int, step_s: float) -> None:
         self.target.observe(batch_tokens, step_s)
@@ -151,7 +159,12 @@ class LoadModel:
         seconds = max(0.0, seconds)
         if not draft_call:
             self.overhead_s += self.smoothing * (seconds - self.overhead_s)
-        elif self.draft_overhead_s is None:
+            self.rounds_without_draft_call += 1
+            if self.draft_overhead_s is not None and self.rounds_without_draft_call > self.overhead_stale_rounds:
+                self.draft_overhead_s += self.overhead_relax * (self.overhead_s - self.draft_overhead_s)
+            return
+        self.rounds_without_draft_call = 0
+        if self.draft_overhead_s is None:
             self.draft_overhead_s = seconds
         else:
             self.draft_overhead_s += self.smoothing * (seconds - self.draft_overhead_s)

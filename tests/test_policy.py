@@ -183,6 +183,26 @@ def test_a_request_that_stops_speculating_drifts_toward_the_deployment_not_the_p
     assert alone.rates[0] == pytest.approx(0.6, abs=0.01)
 
 
+def test_a_draft_call_overhead_measured_in_a_burst_does_not_keep_speculation_off():
+    """The draft call's overhead is measured only in rounds that call the draft pool. One
+    measured while a round queued behind another request's draft-pool prefill (0.7 s) must not
+    keep speculation off for good: once no round has called the draft pool for a while, it
+    drifts back toward the target-only overhead and the policy drafts again. While rounds with
+    and without draft calls mix, each keeps its own measurement."""
+    load = loaded_model(random.Random(11))
+    policy = SpeculationPolicy()
+    good = AcceptanceTracker([0.8] * 4, rounds=50, ages=[0] * 4)
+    load.observe_overhead(0.7, draft_call=True)
+    assert policy.choose(good, load, current=0, max_k=4, batch=1).k == 0
+    for _ in range(load.overhead_stale_rounds):
+        load.observe_overhead(0.01)
+    assert load.round_overhead(True) == pytest.approx(0.7)  # not stale yet
+    for _ in range(150):
+        load.observe_overhead(0.01)
+    assert load.round_overhead(True) < 0.02
+    assert policy.choose(good, load, current=0, max_k=4, batch=1).k > 0
+
+
 def test_a_draft_pool_round_pays_its_own_round_trip():
     """Rounds that call the draft pool carry one more RPC than target-only rounds; the two
     overheads are kept apart, so turning speculation off does not inherit the draft's."""
