@@ -21,9 +21,9 @@ goodput if every request in the batch did the same:
 
 where drafted_d is the measured chance that the proposer drafts position d when asked and every
 position above it was accepted (a draft model stops where its confidence falls, so k is a cap: a
-round asked for 4 often drafts 1 or 2), levels(k) the levels it drafts (one proposer step each,
-from the same chance measured after any draft: drafting comes before verification) and nodes(k)
-those levels times the tree's width.
+round asked for 4 often drafts 1 or 2), levels(k) the levels it drafts (one proposer step each;
+from the chance that it drafts position d after any drafted one, accepted or not: drafting comes
+before verification) and nodes(k) those levels times the tree's width.
 
 A request that was off has a one-off cost before it can draft again: the draft pool prefills
 everything since its last draft. For a k > 0, that catch-up (the draft pool's per-token cost
@@ -252,14 +252,13 @@ class AcceptanceTracker:
     def _drift(self, *, rates_from: int, survival_from: int, accepted_from: int) -> None:
         """Move the estimates of positions from these on `relax_step` of the way toward the
         deployment's (the prior's, with nothing shared): estimates not measured for a while."""
-        shared, step = self.shared, self.relax_step
-        for d in range(rates_from, len(self.rates)):
-            self.rates[d] += step * ((shared.rate(d) if shared else self.prior) - self.rates[d])
-        for d in range(survival_from, len(self.survival)):
-            self.survival[d] += step * ((shared.survive(d) if shared else 1.0) - self.survival[d])
-        for d in range(accepted_from, len(self.survival_accepted)):
-            target = shared.survive_accepted(d) if shared else 1.0
-            self.survival_accepted[d] += step * (target - self.survival_accepted[d])
+        shared = self.shared
+        for estimates, start, toward in (
+                (self.rates, rates_from, shared.rate if shared else lambda d: self.prior),
+                (self.survival, survival_from, shared.survive if shared else lambda d: 1.0),
+                (self.survival_accepted, accepted_from, shared.survive_accepted if shared else lambda d: 1.0)):
+            for d in range(start, len(estimates)):
+                estimates[d] += self.relax_step * (toward(d) - estimates[d])
 
     def rate(self, position: int) -> float:
         return self.rates[position] if position < len(self.rates) else self.prior

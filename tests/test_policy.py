@@ -187,8 +187,8 @@ def test_a_draft_call_overhead_measured_in_a_burst_does_not_keep_speculation_off
     """The draft call's overhead is measured only in rounds that call the draft pool. One
     measured while a round queued behind another request's draft-pool prefill (0.7 s) must not
     keep speculation off for good: once no round has called the draft pool for a while, it
-    drifts back toward the target-only overhead and the policy drafts again. While rounds with
-    and without draft calls mix, each keeps its own measurement."""
+    drifts back toward the target-only overhead and the policy drafts again (while rounds with
+    and without draft calls mix, each keeps its own measurement: the next test)."""
     load = loaded_model(random.Random(11))
     policy = SpeculationPolicy()
     good = AcceptanceTracker([0.8] * 4, rounds=50, ages=[0] * 4)

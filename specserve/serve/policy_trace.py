@@ -39,6 +39,8 @@ def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_
     def line(coefficients: tuple[float, float]) -> list[float]:
         return [round(c, 5) for c in coefficients]
 
+    acceptance = state.acceptance
+
     return {
         "t": round(time.time(), 3), "request": state.request_id[:12], "in_flight": in_flight, "mode": mode,
         "k": k, "reason": decision.reason if decision else None,
@@ -50,15 +52,15 @@ def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_
         "catch_up": catch_up, "round_s": round(round_s, 4), "accepted": result.num_accepted,
         "target_load": _load(result.load), "draft_load": _load(proposal.load if proposal is not None else None),
         "drafted": max(proposal.tree.depths, default=0) if proposal is not None else 0,  # levels
-        "acceptance": _rounded(state.acceptance.rates if state.acceptance is not None else None),
+        "acceptance": _rounded(acceptance.rates) if acceptance is not None else None,
         # P(drafts a position | drafted the one above), and | it was also accepted
-        "survival": _rounded(state.acceptance.survival if state.acceptance is not None else None),
-        "survival_accepted": _rounded(state.acceptance.survival_accepted if state.acceptance is not None else None),
+        "survival": _rounded(acceptance.survival) if acceptance is not None else None,
+        "survival_accepted": _rounded(acceptance.survival_accepted) if acceptance is not None else None,
     }
 
 
-def _rounded(values: list[float] | None) -> list[float] | None:
-    return None if values is None else [round(v, 3) for v in values]
+def _rounded(values: list[float]) -> list[float]:
+    return [round(v, 3) for v in values]
 
 
 class PolicyTrace:
