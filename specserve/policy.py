@@ -33,8 +33,10 @@ The policy picks the best, with hysteresis: it changes k only for a gain of more
 over the current choice, and never keeps a k > 0 that its own model says loses to k = 0.
 A position that is never drafted is never measured, so every `probe_every` rounds the policy
 drafts one level deeper than its choice, when its model says that level still beats k = 0 (or,
-from k = 0, when one level would beat k = 0 at the prior acceptance: a request that turned
-speculation off must be able to find out that it should turn it back on).
+from k = 0, the configured depth, when drafts that were all accepted would beat k = 0 at this
+load: a request that turned speculation off must be able to find out that it should turn it
+back on). A request's first measurements weigh more than the EMA's weight (its prior counts as a
+few rounds), so a probe moves its estimate by more than a tenth of the gap.
 Pure and torch-free: the router and the library decoder feed it.
 
     >>> policy = SpeculationPolicy(PolicyConfig())
@@ -73,9 +75,9 @@ class PolicyConfig:
     # Every this many rounds without a draft at depth k+1, draft one level deeper than the
     # model's choice (when that still beats no speculation): a position never drafted is never
     # measured, so an early unlucky estimate would otherwise pin k below its best for good.
-    # From off it probes one level when that level would win at the prior acceptance: off,
-    # nothing is drafted and nothing measured, so an estimate that a stretch of bad prompts or
-    # load left low would otherwise keep speculation off for good.
+    # From off it probes the configured depth when drafts that were all accepted would win at
+    # this load: off, nothing is drafted and nothing measured, so an estimate that a stretch of
+    # bad prompts or load left low would otherwise keep speculation off for good.
     probe_every: int = 16
 
 
@@ -190,6 +192,13 @@ class AcceptanceTracker:
     weight: float = 0.1  # a new round's weight in the EMAs
     relax_step: float = 0.03  # per round that does not measure a position: its gap to the deployment halves in ~23
     rounds: int = 0  # speculative rounds observed
+    # Per position: rounds that measured its acceptance (this tracker's own evidence). The
+    # starting estimate (the prior, or the deployment's for a request) counts as `prior_rounds`
+    # rounds, so the first measurements weigh 1/(prior_rounds + n) until that falls to `weight`:
+    # a request whose drafts are far better than the deployment's estimate (code after chat:
+    # 0.8 per position against 0.6) learns it in a few probes, not in ~10 rounds per probe.
+    measured: list[int] = field(default_factory=list)
+    prior_rounds: float = 3.0
     nodes_per_level: float = 1.0
     ages: list[int] = field(default_factory=list)  # per position: rounds since it was last drafted
     survival: list[float] = field(default_factory=list)  # per position; 1.0 until measured
@@ -235,8 +244,11 @@ class AcceptanceTracker:
         for d in range(reached):
             while d >= len(self.rates):
                 self.rates.append(self.prior)
-            hit = 1.0 if d < accepted else 0.0
-            self.rates[d] += self.weight * (hit - self.rates[d])
+            while d >= len(self.measured):
+                self.measured.append(0)
+            self.measured[d] += 1
+            weight = max(self.weight, 1.0 / (self.prior_rounds + self.measured[d]))
+            self.rates[d] += weight * ((1.0 if d < accepted else 0.0) - self.rates[d])
         per_level = (nodes if nodes is not None else drafted_depth) / drafted_depth
         self.nodes_per_level += self.weight * (per_level - self.nodes_per_level)
 
@@ -332,8 +344,11 @@ class SpeculationPolicy:
         (e.g. "draft/chain") measured so far, which it keeps teaching."""
         shared = self._shared.setdefault(kind, AcceptanceTracker.with_prior(self.config, positions,
                                                                             self.config.deployment_ema))
+        # The deployment's estimates are the request's prior; what it drafts and measures is its
+        # own: a position it never drafted is due for a probe (where drafts could pay at all), so
+        # a request whose drafts differ from the deployment's (code after chat) finds out.
         return replace(shared, rates=list(shared.rates), survival=list(shared.survival),
-                       survival_accepted=list(shared.survival_accepted), ages=list(shared.ages),
+                       survival_accepted=list(shared.survival_accepted), ages=[], measured=[],
                        weight=self.config.acceptance_ema, shared=shared)
 
     def round_seconds(self, k: int, load: LoadModel, batch: float, *, nodes: float, width: float,
@@ -386,26 +401,42 @@ class SpeculationPolicy:
             # the catch-up, spread over the rounds the request has left
             total = seconds[k] + (catch_up_s / max(1.0, room / tokens) if k else 0.0)
             goodput[k] = tokens / total if total > 0 else 0.0
+        # A measurement of drafts can pay only where drafts would win if they were all accepted
+        # (a probe that finds nothing turns speculation off again: its catch-up is spread over
+        # the rounds until the next probe, not all the rounds left).
+        worth_measuring = self._worth_measuring(expected_drafted, seconds, catch_up_s, room, goodput[0])
         if acceptance.rounds < self.config.warmup_rounds:
             # Nothing measured yet for this kind of speculation: the configured depth, to measure
-            # every position, unless the model says that at the prior acceptance no depth beats
-            # no speculation at this load (a burst of new requests on a saturated pool would
-            # otherwise each draft k, and pay a draft-pool prefill of its prompt, exactly when
-            # that costs most).
-            wins = any(goodput[d] > goodput[0] for d in range(1, max_k + 1))
-            return Decision(max_k if wins else 0, goodput, "warmup")
+            # every position. Not where even perfect drafts lose at this load (a burst of new
+            # requests on a saturated pool would otherwise each draft k, and pay a draft-pool
+            # prefill of its prompt, exactly when that costs most); but the prior acceptance does
+            # not decide it: a prior that says off would never be corrected (code at 2 streams:
+            # the prior 0.6 priced speculation off, code's drafts accept 0.8 per position).
+            return Decision(max_k if worth_measuring else 0, goodput, "warmup")
         k = self._pick(goodput, min(current, max_k))
         if k < max_k and acceptance.age(k) >= self.config.probe_every:
-            # one level deeper, to measure it: when the model says it beats no speculation, or
-            # (from off, where nothing is measured) when it would at the prior acceptance. A
-            # probe from off that finds nothing turns speculation off again, so its catch-up is
-            # not spread over the rounds left but over the rounds its measurement serves (until
-            # the next probe): under load a probe's draft-pool prefill is not free.
-            probe_s = seconds[1] + catch_up_s / self.config.probe_every
-            deeper = goodput[k + 1] if k else (1.0 + max(acceptance.rate(0), acceptance.prior)) / probe_s
-            if deeper > goodput[0]:
+            # Deeper, to measure it: from k > 0 one level, when the model says it beats no
+            # speculation; from off (where nothing is drafted, so nothing measured) the
+            # configured depth, when drafts could pay at this load at all.
+            if k and goodput[k + 1] > goodput[0]:
                 return Decision(k + 1, goodput, "probe")
+            if not k and worth_measuring:
+                return Decision(max_k, goodput, "probe")
         return Decision(k, goodput, "model")
+
+    def _worth_measuring(self, expected_drafted: list[float], seconds: list[float], catch_up_s: float,
+                         room: float, off: float) -> bool:
+        """Whether some depth, with every drafted token accepted, beats no speculation (`off`
+        tokens per second) by more than the hysteresis: a measurement can only turn speculation
+        on where that much is to be gained. Its catch-up is spread over the rounds the
+        measurement serves: until the next probe, or the request's end (`room` tokens)."""
+        bar = off * (1 + self.config.hysteresis)
+        for k, drafted in enumerate(expected_drafted):
+            tokens = 1.0 + drafted
+            rounds = max(1.0, min(self.config.probe_every, room / tokens))
+            if k and tokens / (seconds[k] + catch_up_s / rounds) > bar:
+                return True
+        return False
 
     def _pick(self, goodput: dict[int, float], current: int) -> int:
         """The best k, unless the current one is within the hysteresis band of it; a k that

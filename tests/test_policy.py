@@ -173,7 +173,7 @@ def test_a_request_that_stops_speculating_drifts_toward_the_deployment_not_the_p
     for _ in range(300):
         policy.tracker("draft/chain", 2).observe(2, 2)  # the deployment: accepted almost always
     unlucky = policy.tracker("draft/chain", 2)
-    unlucky.rates = [0.1, 0.1]
+    unlucky.rates, unlucky.ages = [0.1, 0.1], [0, 0]  # its own drafts, rejected
     for _ in range(200):
         unlucky.relax()
     assert unlucky.rates[0] > 0.9 and unlucky.ages == [200, 200]
@@ -356,6 +356,7 @@ def test_a_request_turned_off_by_an_unlucky_estimate_comes_back():
     shared = policy.tracker("draft/chain", 2).shared
     shared.rates, shared.ages, shared.rounds = [0.1, 0.1], [0, 0], 50
     tracker = policy.tracker("draft/chain", 2)
+    tracker.ages = [0, 0]  # it has drafted (a new request's first round measures its own drafts)
     assert policy.choose(tracker, load, current=2, max_k=2, batch=1).k == 0
     ks, reasons = [], set()
     k = 0
@@ -447,13 +448,14 @@ def test_request_state_tells_the_policy_what_the_draft_pool_missed():
 def test_a_probe_from_off_weighs_the_prefill_it_makes_the_draft_pool_do():
     """A probe from off makes the draft pool prefill everything the request emitted while off;
     a probe that finds nothing leaves speculation off, so that prefill is not spread over the
-    rounds left. A small gap is probed, a long one (under load, a prompt's worth) is not."""
+    rounds left but over those until the next probe. A small gap is probed; a long one is not:
+    spread over those rounds it costs more than even drafts that were all accepted would gain."""
     load = loaded_model(random.Random(14))
     policy = SpeculationPolicy()
     poor = measured(0.1)
     poor.prior, poor.ages = 0.6, [10 ** 6] * 8  # probing is due
     assert policy.choose(poor, load, current=0, max_k=4, batch=4, catch_up=8, room=10 ** 6).reason == "probe"
-    long_gap = policy.choose(poor, load, current=0, max_k=4, batch=4, catch_up=600, room=10 ** 6)
+    long_gap = policy.choose(poor, load, current=0, max_k=4, batch=4, catch_up=2000, room=10 ** 6)
     assert (long_gap.k, long_gap.reason) == (0, "model")
 
 
@@ -563,7 +565,7 @@ def test_positions_a_request_stopped_drafting_age_back_toward_the_deployment():
     shared = policy.tracker("draft/chain", 6).shared
     shared.rates, shared.ages, shared.rounds = [0.9] * 6, [0] * 6, 50
     tracker = policy.tracker("draft/chain", 6)
-    tracker.rates[1] = 0.3
+    tracker.rates[1], tracker.ages = 0.3, [0] * 6
     assert policy.choose(tracker, load, current=1, max_k=6, batch=1).k == 1
     k, ks = 1, []
     for _ in range(150):
@@ -578,3 +580,65 @@ def test_positions_a_request_stopped_drafting_age_back_toward_the_deployment():
     alone = AcceptanceTracker([0.9, 0.3], prior=0.6, rounds=10, ages=[0, 0])  # nothing shared: frozen
     alone.observe(1, 1, asked=1)
     assert alone.rates[1] == 0.3
+
+
+def two_streams_of_code() -> LoadModel:
+    """What code at 2 streams measured (policy trace): target passes 0.19 s + 6.4 ms per token,
+    draft steps 0.093 s + 3.1 ms per token (two pools on two cores), 2 requests per pass."""
+    load = LoadModel()
+    for _ in range(20):
+        for b in (1, 2, 4):
+            load.observe_target(b, b, 0.19 + 0.0064 * b)
+            load.observe_target(b, 5 * b, 0.19 + 0.0064 * 5 * b)
+            load.observe_draft(b, 0.093 + 0.0031 * b)
+        load.observe_overhead(0.01)
+        load.observe_overhead(0.015, draft_call=True)
+    return load
+
+
+def test_a_request_whose_drafts_beat_the_deployment_s_estimate_finds_out_at_once():
+    """Code after chat: the deployment measured 0.6 per position, at which no depth beats no
+    speculation at 2 streams of code; this request's drafts are accepted 85% of the time, at
+    which drafting wins. A new request's positions are its own to measure: its first round
+    probes the configured depth (drafts could pay here), its first measurements weigh more than
+    the EMA's tenth, and it speculates within a few rounds rather than after several probes."""
+    rng = random.Random(21)
+    load = two_streams_of_code()
+    policy = SpeculationPolicy()
+    shared = policy.tracker("draft/chain", 4).shared
+    shared.rates, shared.rounds = [0.6] * 4, 500
+    assert policy.choose(measured(0.6, 4), load, current=0, max_k=4, batch=2).k == 0
+    assert policy.choose(measured(0.85, 4), load, current=0, max_k=4, batch=2).k > 0
+    tracker = policy.tracker("draft/chain", 4)
+    first = policy.choose(tracker, load, current=4, max_k=4, batch=2, catch_up=150, room=64)
+    assert (first.k, first.reason) == (4, "probe")
+    k, ks = first.k, []
+    for _ in range(40):
+        drafted_round(tracker, k, 0.85, rng) if k else tracker.relax()
+        k = policy.choose(tracker, load, current=k, max_k=4, batch=2).k
+        ks.append(k)
+    assert ks[:10].count(0) <= 2 and ks[10:].count(0) <= 3
+
+
+def test_no_probe_where_even_drafts_that_were_all_accepted_would_lose():
+    """Saturated (64 requests per pass of two-pool code): a new request does not draft to
+    measure, since not even perfect drafts would beat no speculation there."""
+    policy = SpeculationPolicy()
+    shared = policy.tracker("draft/chain", 4).shared
+    shared.rounds = 500
+    decision = policy.choose(policy.tracker("draft/chain", 4), two_streams_of_code(), current=4, max_k=4,
+                             batch=64, catch_up=150, room=64)
+    assert (decision.k, decision.reason) == (0, "model")
+
+
+def test_a_request_s_first_measurements_weigh_more_than_the_ema():
+    """The starting estimate counts as `prior_rounds` rounds: the first measurement of a
+    position weighs 1/(prior_rounds + 1), falling to the EMA's weight."""
+    tracker = AcceptanceTracker([0.6] * 2, prior=0.6, weight=0.1, prior_rounds=3)
+    tracker.observe(1, 1)
+    assert tracker.rates[0] == pytest.approx(0.6 + 0.4 / 4) and tracker.measured == [1]
+    for _ in range(20):
+        tracker.observe(1, 1)
+    before = tracker.rates[0]
+    tracker.observe(1, 0)
+    assert tracker.rates[0] == pytest.approx(before * 0.9)  # the EMA's weight from here on
