@@ -475,7 +475,7 @@ class MeasuredModes:
     credit both modes with the same tokens. The next epoch runs the better
     mode (switching only for more than `hysteresis`), and every `explore_every`-th epoch at a
     level runs the other one so both estimates stay current. Below `min_in_flight` requests the
-    model alone decides: a lone request has no other requests' costs it cannot see, and at 2-3
+    model alone decides: a lone request has no other requests' costs it cannot see, and at 2
     requests an epoch's goodput measures noise (code at 2 streams, the same load in either mode:
     epochs of 4.5 to 10.6 tok/s, swung by whether a prompt's prefill fell in them) and an off
     epoch leaves each request a draft-pool catch-up that keeps the next model epoch off too, so
@@ -493,7 +493,7 @@ class MeasuredModes:
     explore_every: int = 5
     hysteresis: float = 0.05
     weight: float = 0.3  # an epoch's weight in its mode's EMA
-    min_in_flight: int = 4
+    min_in_flight: int = 3
     levels: dict[int, _ModeGoodput] = field(default_factory=dict)
     current: str = "model"
     _started: float | None = None
@@ -502,8 +502,11 @@ class MeasuredModes:
 
     @staticmethod
     def level(in_flight: int) -> int:
-        """2-3 requests: 1, 4-7: 2, 8-15: 3, ... (below 2: 0)."""
-        return max(0, int(in_flight).bit_length() - 1)
+        """log2 of the requests in flight, rounded: 2: 1, 3-5: 2, 6-11: 3, 12-22: 4, ... (below
+        2: 0). Rounded, not floored, so that N streams, which keep N-1 or N requests in flight
+        (one is often between rounds), stay in one level: floored, 4 streams flipped between
+        2-3 and 4-7 and each flip dropped the epoch."""
+        return max(0, round(math.log2(in_flight))) if in_flight >= 1 else 0
 
     def record(self, tokens: int) -> None:
         """Tokens a round emitted (any request this router carries)."""

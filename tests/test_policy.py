@@ -335,15 +335,23 @@ def test_an_epoch_whose_load_changed_measures_nothing():
 
 
 def test_a_few_requests_are_left_to_the_model():
-    """At 2-3 requests a 4 s epoch holds a prompt's prefill or two, which swing its goodput
+    """At 2 requests a 4 s epoch holds a prompt's prefill or two, which swing its goodput
     more than the modes differ (code at 2 streams: 4.5-10.6 tok/s epochs in either mode), and an
     off epoch leaves every request a draft-pool catch-up that keeps the next model epoch off:
     there the model alone decides."""
     modes = MeasuredModes(epoch_s=1.0)
     for second in range(20):
-        assert modes.mode(float(second), 3) == "model"
+        assert modes.mode(float(second), 2) == "model"
         modes.record(100)
     assert modes.levels == {}
+
+
+def test_n_streams_stay_in_one_level():
+    """N streams keep N-1 or N requests in flight (one is often between rounds): both count as
+    one level, or every flip would drop the epoch."""
+    for streams in (4, 8, 16, 32):
+        assert MeasuredModes.level(streams - 1) == MeasuredModes.level(streams)
+    assert len({MeasuredModes.level(n) for n in (2, 4, 8, 16)}) == 4
 
 
 def test_the_router_s_measured_off_turns_an_adaptive_request_off_but_not_an_explicit_setting():
