@@ -160,11 +160,12 @@ class RequestState:
         return self.speculation.adaptive and not self.pinned_depth
 
     def plan_round(self, policy: SpeculationPolicy, load: LoadModel, batch: float | None = None,
-                   measured_off: bool = False) -> Decision | None:
+                   measured_off: bool = False, probe_from_off: bool = True) -> Decision | None:
         """Adaptive speculation: let the policy set this round's depth (0 = off) from the
         request's acceptance and the pools' load; `measured_off`: the router measured that, at
-        this load, speculation off gives more (MeasuredModes), so this round does not speculate.
-        Fixed speculation: nothing to decide."""
+        this load, speculation off gives more (MeasuredModes), so this round does not speculate;
+        `probe_from_off=False`: the router's measured epochs explore at this load instead of
+        probes from off. Fixed speculation: nothing to decide."""
         spec = self.speculation
         if not self.adaptive:
             return None
@@ -176,7 +177,7 @@ class RequestState:
         else:
             decision = policy.choose(self.acceptance, load, current=current, max_k=spec.depth, batch=batch,
                                      draft_cost=spec.draft_cost, catch_up=len(self.token_ids) - self.draft_synced,
-                                     room=self.room())
+                                     room=self.room(), probe_from_off=probe_from_off)
         self.policy_k = decision.k
         self.stats.policy_decisions[decision.reason] = self.stats.policy_decisions.get(decision.reason, 0) + 1
         if decision.k == 0:

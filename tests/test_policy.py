@@ -662,3 +662,17 @@ def test_a_request_s_first_measurements_weigh_more_than_the_ema():
     before = tracker.rates[0]
     tracker.observe(1, 0)
     assert tracker.rates[0] == pytest.approx(before * 0.9)  # the EMA's weight from here on
+
+
+def test_where_the_router_measures_modes_requests_do_not_probe_from_off():
+    """At 3 or more requests the measured epochs explore; there a new or off request does not
+    also draft to measure its drafts (each such probe makes the draft pool prefill what the
+    request emitted, on cores the target shares)."""
+    assert not MeasuredModes().measures(2) and MeasuredModes().measures(3)
+    policy, load = SpeculationPolicy(), two_streams_of_code()
+    policy.tracker("draft/chain", 4).shared.rounds = 500
+    fresh = policy.tracker("draft/chain", 4)
+    kwargs = dict(current=4, max_k=4, batch=2, catch_up=150, room=64)
+    assert policy.choose(fresh, load, **kwargs).reason == "probe"
+    quiet = policy.choose(fresh, load, **kwargs, probe_from_off=False)
+    assert (quiet.k, quiet.reason) == (0, "model")
