@@ -69,8 +69,9 @@ class PolicyConfig:
     acceptance_ema: float = 0.1  # a new round's weight in a request's acceptance EMA (at 0.3 the
     # estimate of a 90% position swings by ±0.13 from round to round, enough to pin k low)
     prior_acceptance: float = 0.6  # per-position acceptance before anything is measured
-    warmup_rounds: int = 2  # speculative rounds a request runs as configured before the policy decides
-    # (unless its model says the configured depth loses to no speculation even at the prior)
+    # Speculative rounds this kind of speculation runs as configured (deployment-wide) before the
+    # policy decides (unless not even drafts that were all accepted would win at this load).
+    warmup_rounds: int = 2
     head_cost: float = 0.02  # co-located heads: their share of a target step
     # Every this many rounds without a draft at depth k+1, draft one level deeper than the
     # model's choice (when that still beats no speculation): a position never drafted is never

@@ -292,7 +292,8 @@ class RandomDepthPolicy:
     def tracker(self, kind, positions):
         return self._base.tracker(kind, positions)
 
-    def choose(self, acceptance, load, *, current, max_k, batch=None, draft_cost="pool", catch_up=0, room=None):
+    def choose(self, acceptance, load, *, current, max_k, batch=None, draft_cost="pool", catch_up=0, room=None,
+               probe_from_off=True):
         from specserve.policy import Decision
 
         self.chosen.append(self.rng.randint(0, max_k))
