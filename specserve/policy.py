@@ -43,7 +43,7 @@ Pure and torch-free: the router and the library decoder feed it.
     >>> load = LoadModel()
     >>> for tokens, seconds in [(1, 0.080), (5, 0.082), (64, 0.29), (256, 0.95)]:
     ...     load.target.observe(tokens, seconds)
-    >>> acceptance = AcceptanceTracker([0.8] * 8, rounds=5)  # measured: 80% per position
+    >>> acceptance = AcceptanceTracker([0.8] * 8, rounds=5, ages=[0] * 8)  # measured: 80% per position
     >>> policy.choose(acceptance, load, current=4, max_k=8, batch=1, draft_cost="co_located").k > 0
     True
     >>> policy.choose(acceptance, load, current=4, max_k=8, batch=256, draft_cost="co_located").k
@@ -406,8 +406,10 @@ class SpeculationPolicy:
             goodput[k] = tokens / total if total > 0 else 0.0
         # A measurement of drafts can pay only where drafts would win if they were all accepted
         # (a probe that finds nothing turns speculation off again: its catch-up is spread over
-        # the rounds until the next probe, not all the rounds left).
-        worth_measuring = self._worth_measuring(expected_drafted, seconds, catch_up_s, room, goodput[0])
+        # the rounds until the next probe, not all the rounds left). Asked only when due.
+        def worth_measuring() -> bool:
+            return self._worth_measuring(expected_drafted, seconds, catch_up_s, room, goodput[0])
+
         if acceptance.rounds < self.config.warmup_rounds:
             # Nothing measured yet for this kind of speculation: the configured depth, to measure
             # every position. Not where even perfect drafts lose at this load (a burst of new
@@ -415,7 +417,7 @@ class SpeculationPolicy:
             # prefill of its prompt, exactly when that costs most); but the prior acceptance does
             # not decide it: a prior that says off would never be corrected (code at 2 streams:
             # the prior 0.6 priced speculation off, code's drafts accept 0.8 per position).
-            return Decision(max_k if worth_measuring else 0, goodput, "warmup")
+            return Decision(max_k if worth_measuring() else 0, goodput, "warmup")
         k = self._pick(goodput, min(current, max_k))
         if k < max_k and acceptance.age(k) >= self.config.probe_every:
             # Deeper, to measure it: from k > 0 one level, when the model says it beats no
@@ -423,7 +425,7 @@ class SpeculationPolicy:
             # configured depth, when drafts could pay at this load at all.
             if k and goodput[k + 1] > goodput[0]:
                 return Decision(k + 1, goodput, "probe")
-            if not k and worth_measuring and probe_from_off:
+            if not k and probe_from_off and worth_measuring():
                 return Decision(max_k, goodput, "probe")
         return Decision(k, goodput, "model")
 
@@ -434,10 +436,10 @@ class SpeculationPolicy:
         on where that much is to be gained. Its catch-up is spread over the rounds the
         measurement serves: until the next probe, or the request's end (`room` tokens)."""
         bar = off * (1 + self.config.hysteresis)
-        for k, drafted in enumerate(expected_drafted):
-            tokens = 1.0 + drafted
+        for k in range(1, len(expected_drafted)):
+            tokens = 1.0 + expected_drafted[k]
             rounds = max(1.0, min(self.config.probe_every, room / tokens))
-            if k and tokens / (seconds[k] + catch_up_s / rounds) > bar:
+            if tokens / (seconds[k] + catch_up_s / rounds) > bar:
                 return True
         return False
 

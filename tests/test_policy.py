@@ -676,3 +676,11 @@ def test_where_the_router_measures_modes_requests_do_not_probe_from_off():
     assert policy.choose(fresh, load, **kwargs).reason == "probe"
     quiet = policy.choose(fresh, load, **kwargs, probe_from_off=False)
     assert (quiet.k, quiet.reason) == (0, "model")
+
+
+def test_the_policy_module_s_examples_hold():
+    import doctest
+
+    import specserve.policy
+
+    assert doctest.testmod(specserve.policy).failed == 0
