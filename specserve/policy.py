@@ -17,8 +17,13 @@ goodput if every request in the batch did the same:
 
     goodput(k) = E[tokens | k] / round_seconds(k)
     E[tokens | k] = 1 + sum_{j<k} prod_{d<=j} drafted_d * accept_d   (Leviathan et al. 2023, per position)
-    round_seconds(k) = overhead(k) + levels(k) * draft_step(B * width) + target_step(B * (1 + nodes(k)))
+    round_seconds(k) = overhead(k) + P * (levels(k) * draft_step(B * width) + target_step(B * (1 + nodes(k))))
 
+where P = max(1, requests in flight / B) is the passes a round spans: a pool that runs B requests
+per pass serves N > B requests in flight in N / B passes, and every request's round waits for
+the others' (16 streams on pools of batch 8: two passes a round; counted once, as a constant
+overhead, the other pass's drafting and verifying was free, and the model priced k = 1-4 at
+1.1-1.3x off where always on measured 0.98x and every switch to the model's choice cost); and
 where drafted_d is the measured chance that the proposer drafts position d when asked and every
 position above it was accepted (a draft model stops where its confidence falls, so k is a cap: a
 round asked for 4 often drafts 1 or 2), levels(k) the levels it drafts (one proposer step each;
@@ -132,13 +137,15 @@ class StepTimeModel:
 
 @dataclass
 class LoadModel:
-    """What the pools' load signals say: step-time models and the target's batch (EMA)."""
+    """What the pools' load signals say: step-time models and the target's batch (EMA); and
+    the caller's own load, the requests it has in rounds."""
 
     target: StepTimeModel = field(default_factory=StepTimeModel)
     draft: StepTimeModel = field(default_factory=StepTimeModel)
     batch_ema: float = 1.0  # requests per target pass
-    # Per round, outside the pools' compute (RPCs, queueing): rounds with the target pool alone,
-    # and rounds that also called a draft pool (one more RPC; None until one is seen).
+    in_flight: int = 1  # requests in rounds at the caller (the router sets it before each decision)
+    # Per round, outside the passes the round spans (RPCs, queueing): rounds with the target pool
+    # alone, and rounds that also called a draft pool (one more RPC; None until one is seen).
     overhead_s: float = 0.0
     draft_overhead_s: float | None = None
     smoothing: float = 0.2
@@ -171,6 +178,11 @@ class LoadModel:
             self.draft_overhead_s = seconds
         else:
             self.draft_overhead_s += self.smoothing * (seconds - self.draft_overhead_s)
+
+    def passes(self, batch: float) -> float:
+        """Passes of each pool a round spans at `batch` requests per pass: every request in
+        flight is served once a round, so N in flight take N / batch passes (at least one)."""
+        return max(1.0, self.in_flight / max(batch, 1.0))
 
     def round_overhead(self, draft_call: bool) -> float:
         if draft_call and self.draft_overhead_s is not None:
@@ -354,29 +366,30 @@ class SpeculationPolicy:
 
     def round_seconds(self, k: int, load: LoadModel, batch: float, *, nodes: float, width: float,
                       draft_cost: str) -> float:
-        """Predicted wall time of a round in which every one of `batch` requests is asked for
-        `k` levels and drafts `nodes` nodes in all (`width` per level on average): one
-        proposer step per drafted level."""
+        """Predicted wall time of a round in which every one of `batch` requests per pass is
+        asked for `k` levels and drafts `nodes` nodes in all (`width` per level on average): one
+        proposer step per drafted level, in each of the passes the round spans."""
+        passes = load.passes(batch)
         verify = load.target.predict(batch * (1.0 + nodes))
         if k == 0:
-            return load.round_overhead(draft_call=False) + verify
+            return load.round_overhead(draft_call=False) + passes * verify
         if draft_cost == "pool":
             draft = nodes / width * load.draft.predict(batch * width) if load.draft.observed else 0.0
         elif draft_cost == "co_located":
             draft = self.config.head_cost * load.target.predict(batch)
         else:
             draft = 0.0
-        return load.round_overhead(draft_call=draft_cost == "pool") + draft + verify
+        return load.round_overhead(draft_call=draft_cost == "pool") + passes * (draft + verify)
 
     @staticmethod
     def catch_up_seconds(load: LoadModel, batch: float, catch_up: int, draft_cost: str) -> float:
         """What drafting again costs once, before its first token: the draft pool prefills the
         `catch_up` tokens it has not seen (everything since the request last drafted), for
-        each of `batch` requests. Only a draft pool has that cost (heads read the target's own
+        each of the requests in flight (`batch` per pass). Only a draft pool has that cost (heads read the target's own
         pass; n-gram lookup indexes tokens as they come)."""
         if draft_cost != "pool" or catch_up <= 0 or not load.draft.observed:
             return 0.0
-        return batch * catch_up * load.draft.coefficients()[1]
+        return load.passes(batch) * batch * catch_up * load.draft.coefficients()[1]
 
     def choose(self, acceptance: AcceptanceTracker, load: LoadModel, *, current: int, max_k: int,
                batch: float | None = None, draft_cost: str = "pool", catch_up: int = 0,

@@ -221,6 +221,41 @@ def test_a_draft_pool_round_pays_its_own_round_trip():
     assert off == pytest.approx(0.002 + load.target.predict(1), rel=1e-3)
 
 
+def test_a_round_that_spans_several_passes_pays_for_every_pass_s_drafts():
+    """16 requests in flight on pools of batch 8 (this machine's default pair, lines fitted from
+    a 16-stream trace): a round spans two passes of each pool, and each request waits for the
+    other batch's drafting and verifying as well as its own. Counted as a constant overhead
+    (what an off round measured of the other pass), the other batch's drafts were free: the
+    model priced k = 1 at 1.2x off, and every model epoch there lost to off. Priced per pass,
+    off wins, as measured."""
+    target, draft = (0.17, 0.0079), (0.067, 0.004)
+    load = LoadModel()
+    for _ in range(30):
+        for tokens in (8, 16, 24, 40):
+            load.observe_target(8, tokens, target[0] + target[1] * tokens)
+            load.observe_draft(tokens // 2, draft[0] + draft[1] * (tokens // 2))
+    chat = measured(0.6)
+    policy = SpeculationPolicy()
+    one_pass = load.target.predict(8)
+    load.in_flight = 16
+    assert load.passes(8) == 2
+    assert policy.round_seconds(0, load, 8, nodes=0, width=1, draft_cost="pool") == pytest.approx(2 * one_pass)
+    assert policy.round_seconds(1, load, 8, nodes=1, width=1, draft_cost="pool") == pytest.approx(
+        2 * (load.draft.predict(8) + load.target.predict(16)))
+    assert policy.choose(chat, load, current=1, max_k=4, batch=8).k == 0
+    # the same round seen as one pass plus the other pass's time as overhead: speculation "wins"
+    load.in_flight = 8
+    for _ in range(50):
+        load.observe_overhead(one_pass)
+        load.observe_overhead(one_pass, draft_call=True)
+    assert policy.choose(chat, load, current=1, max_k=4, batch=8).k > 0
+    # at 8 in flight (one pass a round, nothing to wait for) off wins again
+    for _ in range(50):
+        load.observe_overhead(0.0)
+        load.observe_overhead(0.0, draft_call=True)
+    assert policy.choose(chat, load, current=1, max_k=4, batch=8).k == 0
+
+
 def test_low_acceptance_turns_speculation_off_even_when_idle():
     load = loaded_model(random.Random(4))
     decision = SpeculationPolicy().choose(measured(0.05), load, current=4, max_k=8, batch=1)

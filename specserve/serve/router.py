@@ -219,9 +219,11 @@ class Router(GrpcApi):
 
     async def _rounds(self, state: RequestState, deadline: float | None = None) -> AsyncIterator[list[int]]:
         self.in_rounds += 1
+        prefill = True  # the first round prefills the prompt: its wait is not a round's overhead
         try:
             while not state.finished:
                 started = time.perf_counter()
+                self.load.in_flight = self.in_rounds
                 # only requests the policy steers take part in (and are measured by) its epochs
                 mode = self.modes.mode(time.monotonic(), self.in_rounds) if state.adaptive else "model"
                 if self.trace is not None:  # what the draft pool has not seen, before this round's call
@@ -237,13 +239,17 @@ class Router(GrpcApi):
                 verify = state.verify_request(proposal)
                 result = await self._before(deadline, state, self._verify(verify))
                 compute = result.compute_s + (proposal.compute_s if proposal is not None else 0.0)
-                overhead = max(0.0, time.perf_counter() - started - compute)
-                state.stats.round_trip_overhead_s += overhead
-                self._observe_load(result, proposal, overhead, draft_call)
+                wall = time.perf_counter() - started
+                state.stats.round_trip_overhead_s += max(0.0, wall - compute)
+                # the policy's overhead: outside every pass the round spanned (this request's, and
+                # the other requests' passes it waited for)
+                self._observe_load(result, proposal, draft_call,
+                                   None if prefill else wall - compute * self.load.passes(self.load.batch_ema))
+                prefill = False
                 if self.trace is not None:
                     self.trace.write(trace_line(state, decision, mode=mode, in_flight=self.in_rounds, load=self.load,
                                                 catch_up=catch_up, k=state.round_k(), result=result, proposal=proposal,
-                                                round_s=time.perf_counter() - started))
+                                                round_s=wall))
                 counts = SpecCounts.of(state.stats)
                 emitted = state.commit(result, verify.draft)
                 if state.adaptive:
@@ -255,15 +261,18 @@ class Router(GrpcApi):
             self.in_rounds -= 1
             self._release(state)
 
-    def _observe_load(self, result: VerifyResult, proposal: Proposal | None, overhead_s: float,
-                      draft_call: bool) -> None:
+    def _observe_load(self, result: VerifyResult, proposal: Proposal | None, draft_call: bool,
+                      overhead_s: float | None) -> None:
+        """The pools' load signals, and the round's wall time outside the passes it spanned
+        (None: not a round's overhead, e.g. a prompt's prefill queued behind others')."""
         if result.load is not None:
             self.load.observe_target(result.load.batch_size, result.load.batch_tokens, result.load.step_s)
             self.metrics.pool_load("target", result.load)
         if proposal is not None and proposal.load is not None:
             self.load.observe_draft(proposal.load.batch_tokens, proposal.load.step_s)
             self.metrics.pool_load("draft", proposal.load)
-        self.load.observe_overhead(overhead_s, draft_call=draft_call)
+        if overhead_s is not None:
+            self.load.observe_overhead(overhead_s, draft_call=draft_call)
 
     # ---- the transport-agnostic core: start a request, then stream its deltas -------------
 
