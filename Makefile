@@ -34,7 +34,7 @@ models: setup
 # Interrupted: `make heads HEADS_ARGS=--resume`; train again: HEADS_ARGS=--force.
 HEADS_ARGS ?=
 HEADS_BUDGET = --target qwen2.5-coder-1.5b-instruct --max-tokens 60000 --generated-tokens 50000 \
-    --generated-share 0.7 --steps 1500 --heads 4 --layers 1 --dtype bfloat16
+    --generated-share 0.7 --steps 1500 --heads 4 --layers 1 --dtype auto
 heads: models
 	$(VENV)/bin/specserve train-heads --method medusa $(HEADS_BUDGET) $(HEADS_ARGS)
 heads-hydra: models

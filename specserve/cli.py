@@ -102,7 +102,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(o.text)
         print(f"--- finish_reason={o.finish_reason} tokens={len(o.token_ids)}")
     s = report.stats
-    print(f"speculation: {spec.describe()}  dtype={args.dtype}")
+    print(f"speculation: {spec.describe()}  dtype={models.resolve_dtype(args.dtype, args.device)}")
     print(f"tokens/s:                 {report.tokens_per_second:.2f}  ({s.generated_tokens} tokens in {report.seconds:.2f} s)")
     print(f"mean accepted length:     {s.mean_accepted_length:.2f}  (tokens per target step, bonus included)")
     print(f"acceptance rate:          {s.acceptance_rate:.3f}  ({s.num_accepted_tokens}/{s.num_draft_tokens} draft tokens)")
@@ -177,7 +177,8 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, help="same seed, same output")
     p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
-    p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 on "
+                   "CUDA and on CPUs with native bf16 matrix products, else float32)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda / cuda:N")
     p.add_argument("--draft-confidence", type=float, default=0.5,
                    help="stop a draft chain early once the draft's own probability of its token falls "

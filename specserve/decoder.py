@@ -92,7 +92,7 @@ class SpeculativeDecoder:
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, *, heads: str | None = None,
-                        dtype: str = "bfloat16", device: str = "cpu", speculation: Speculation | None = None,
+                        dtype: str = "auto", device: str = "cpu", speculation: Speculation | None = None,
                         method: str | None = None, k: int | None = None, tree: TreeSpec | None = None,
                         draft_top_m: int = 256, draft_min_confidence: float = 0.5) -> SpeculativeDecoder:
         """Load a target (and a draft, or heads trained by `specserve train-heads`: a directory,

@@ -111,7 +111,7 @@ class LoadedPair:
 
 
 def load_pair(target: str, draft: str | None = None, *, heads: str | None = None, heads_method: str | None = None,
-              dtype: str = "bfloat16", device: str = "cpu") -> LoadedPair:
+              dtype: str = "auto", device: str = "cpu") -> LoadedPair:
     """Load the target (and draft, and heads) into torch workers. A draft that does not share
     the target's vocabulary is refused before any weights are loaded, and so are missing heads
     and heads of another method than `heads_method` (None: whichever the directory holds;

@@ -332,6 +332,38 @@ def test_parse_dtype():
             models.parse_dtype(bad)
 
 
+def test_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16_natively(monkeypatch):
+    """auto: bf16 on a CPU whose oneDNN packs bf16 weights (AVX-512 / AVX-NE-CONVERT), float32
+    on one that would emulate bf16 (AVX2: a verify pass of k+1 rows costs ~k+1 decode steps)."""
+    import torch
+
+    from specserve.engine import torch_worker
+
+    monkeypatch.setattr(torch_worker, "can_prepack", lambda device, dtype: dtype is torch.bfloat16)
+    assert models.resolve_dtype("auto") == "bfloat16"
+    assert models.parse_dtype("auto") is torch.bfloat16
+    monkeypatch.setattr(torch_worker, "can_prepack", lambda device, dtype: dtype is not torch.bfloat16)
+    assert models.resolve_dtype("auto") == "float32"
+    assert models.parse_dtype("AUTO", "cpu") is torch.float32
+    # explicit names are kept whatever the CPU, spelled as torch spells them
+    assert models.resolve_dtype("bf16") == "bfloat16"
+    assert models.resolve_dtype(torch.float16) == "float16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert models.resolve_dtype("auto", "cuda:0") == "float16"
+    with pytest.raises(ValueError, match="dtype"):
+        models.resolve_dtype("float8")
+
+
+def test_auto_dtype_matches_this_cpu():
+    """Not mocked: on this machine auto picks bf16 exactly when the prepacked bf16 linear runs."""
+    import torch
+
+    from specserve.engine.torch_worker import can_prepack
+
+    native = can_prepack(torch.device("cpu"), torch.bfloat16)
+    assert models.resolve_dtype("auto") == ("bfloat16" if native else "float32")
+
+
 def test_load_causal_lm_rejects_bad_dtype_before_resolving():
     with pytest.raises(ValueError, match="unknown dtype"):
         models.load_causal_lm("no-such-model", dtype="float8")

@@ -120,7 +120,7 @@ def run_profile(target: str, *, context: int, prefill: int, batch: int, repeats:
     if batch > 1:
         rows[f"decode, batch {batch}"] = profile_pass(decode(batch), vocab, repeats)
     rows[f"prefill {prefill} tokens"] = profile_pass(prefill_pass, vocab, max(1, repeats // 4))
-    return {"target": target, "dtype": dtype, "context": context, "threads": torch.get_num_threads(),
+    return {"target": target, "dtype": models.resolve_dtype(dtype), "context": context, "threads": torch.get_num_threads(),
             "passes": rows}
 
 
@@ -168,7 +168,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prefill", type=int, default=256, help="prompt length of the prefill pass")
     parser.add_argument("--batch", type=int, default=8, help="batch size of the batched decode row")
     parser.add_argument("--repeats", type=int, default=8)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", help="also write the raw figures here")
     parser.add_argument("--label", help="what this run measures, e.g. a commit (shown in --docs)")
     parser.add_argument("--docs", help="write the profile section of DOCS/BENCHMARKS.md")

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from specserve.benchmarks import library, presets, report, service, systems, vllm_runner, workloads
 from specserve.benchmarks.plots import write_plots
+from specserve.models import resolve_dtype
 from specserve.protocol import SpecserveError
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -63,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="heads for the target's medusa, hydra and redrafter rows, one directory per method (each "
                         "records its method); default: $SPECSERVE_HOME/heads/<target>-<method> for every method "
                         "trained there (`make heads`, `specserve train-heads`); 'none' to skip them")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="every system's dtype (default auto: bfloat16 on CPUs with native bf16 matrix products, "
+                        "else float32; the report names the one used)")
     p.add_argument("--workloads", nargs="+", choices=workloads.WORKLOADS, help="default: code chat")
     p.add_argument("--prompts", type=int, help=f"prompts per workload (default {FULL['prompts']})")
     p.add_argument("--max-tokens", type=int, help=f"new tokens per prompt (default {FULL['max_tokens']})")
@@ -138,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     resolve_defaults(args)
     check_args(args)
+    args.dtype = resolve_dtype(args.dtype)  # one concrete dtype for every system, vLLM's included
     if args.draft in ("none", ""):
         args.draft = None
     out = Path(args.out or f"bench-results/{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")

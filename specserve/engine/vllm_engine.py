@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from specserve.engine import EngineInfo, sampling_refusal, vocabulary_fingerprint
+from specserve.models import resolve_dtype
 from specserve.protocol import (
     DETERMINISTIC, SAMPLED, PoolLoad, Proposal, ProposeRequest, SparseDist, SpecserveError, TokenTree, VerifyRequest,
     VerifyResult,
@@ -69,7 +70,9 @@ def engine_args(pool_args: dict[str, Any], model_path: str, role: str = "target"
     extra = {k: v for k, v in pool_args.get("engine_kwargs", {}).items() if k not in SPECSERVE_KWARGS}
     tensor_parallel = int(extra.get("tensor_parallel_size", 1))
     args = {
-        "model": model_path, "dtype": pool_args["dtype"], "seed": 0,
+        # "auto" is specserve's (resolve_dtype), not vLLM's "the checkpoint's dtype": the same choice
+        # as a torch pool on the same device
+        "model": model_path, "dtype": resolve_dtype(pool_args["dtype"], pool_args.get("device", "cpu")), "seed": 0,
         "enable_prefix_caching": True,
         "max_logprobs": score_logprobs(pool_args),
         # one process per GPU through Ray's executor (the replica's placement group); one: in process

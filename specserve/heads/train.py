@@ -81,7 +81,7 @@ class TrainOptions:
     own_lm_head: bool = False  # Medusa only: train a copy of the lm_head per head (large: slow on CPU)
     prefix_window: int = 0  # Hydra only: Hydra++ prefix attention over the last N hidden states (0: off)
     seed: int = 0
-    dtype: str = "bfloat16"  # the target's dtype while caching; heads train in float32
+    dtype: str = "auto"  # the target's dtype while caching (auto: resolve_dtype); heads train in float32
     warmup_steps: int | None = None  # None: 5% of the steps, at most 100
     loss_decay: float = 0.8  # head i's loss weight is loss_decay ** i
     # The teacher's distribution per hidden row, computed once before training: its `teacher_top`

@@ -50,13 +50,16 @@ class PoolArgs(_DeploymentArgs):
                               "train-heads` (a directory, or 'default' for $SPECSERVE_HOME/heads/<model>-<method>, "
                               "the method being speculation.proposer's, else medusa); the target pool then becomes "
                               "a co-located pool that verifies and proposes in one pass")
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on CUDA (float16 where it has no bf16) and on CPUs with native bf16 "
+        "matrix products (AVX-512 or AVX-NE-CONVERT); float32 on other CPUs, where bf16 is emulated and a "
+        "verify pass of k+1 tokens costs about k+1 decode steps (specserve.models.resolve_dtype)")
     device: str = "cpu"
     torch_threads: int | None = Field(None, ge=1, description="torch threads per replica (default: num_cpus)")
     kv_cache_memory: ByteSize = Field(
         ByteSize(1 << 30), description="KV cache per replica, in bytes ('2GiB', '512MiB' or a number), "
         "preallocated; least recently used requests are evicted when it is full. A token costs "
-        "layers x 2 x kv_heads x head_dim x dtype bytes (28 KiB for Qwen2.5-1.5B in bf16)")
+        "layers x 2 x kv_heads x head_dim x dtype bytes (28 KiB for Qwen2.5-1.5B in bf16, 56 KiB in fp32)")
     cuda_graphs: bool | None = Field(
         None, description="torch engine on CUDA: run decode and chain-verify passes (up to 16 requests, 8 new "
         "tokens each, 8192 positions) as static-shape passes replayed as CUDA graphs, each shape captured on "
