@@ -20,6 +20,7 @@ from ray import serve
 
 from specserve.engine import vocabulary_fingerprint
 from specserve.engine.torch_engine import ALWAYS_READY_TOKENS, PROBE_ID, plan_prefill_chunks  # noqa: F401
+from specserve.models import resolve_dtype
 from specserve.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResult
 
 logger = logging.getLogger("ray.serve")
@@ -48,7 +49,8 @@ class _Pool:
             self.engine = default_engine(pool_args, self.ROLE, speculation)
         else:
             self.engine = _as_engine(build_engine(pool_args), pool_args, self.ROLE, speculation)
-        logger.info("%s ready: %s on engine %s in %.1f s", type(self).__name__, pool_args["model"],
+        logger.info("%s ready: %s in %s on engine %s in %.1f s", type(self).__name__, pool_args["model"],
+                    resolve_dtype(pool_args.get("dtype", "auto"), pool_args.get("device", "cpu")),
                     pool_args["engine"], time.monotonic() - started)
 
     @property
