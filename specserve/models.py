@@ -617,38 +617,35 @@ def native_bf16_cpu() -> bool:
 
 
 def resolve_dtype(dtype: Any, device: Any = "cpu") -> str:
-    """A dtype name, with ``"auto"`` made concrete for ``device``: bfloat16 on CUDA devices that
-    support it (float16 on older ones); on CPU bfloat16 where the CPU runs it natively (half the
-    weight bytes per decode step), else float32 (see `native_bf16_cpu`).
+    """A dtype's name (``"float32"|"bfloat16"|"float16"``, or fp32/bf16/fp16, or a torch.dtype),
+    with ``"auto"`` made concrete for ``device``: bfloat16 on CUDA devices that support it
+    (float16 on older ones); on CPU bfloat16 where the CPU runs it natively (half the weight bytes
+    per decode step), else float32 (see `native_bf16_cpu`).
 
     >>> resolve_dtype("bf16"), resolve_dtype("float32", "cuda")
     ('bfloat16', 'float32')
     """
-    name = str(dtype).strip().lower().removeprefix("torch.")
-    if name != "auto":
-        return str(parse_dtype(dtype)).removeprefix("torch.")
-    if str(device).startswith("cuda"):
-        import torch
-
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "bfloat16" if native_bf16_cpu() else "float32"
-
-
-def parse_dtype(dtype: Any, device: Any = "cpu"):
-    """``"auto"|"float32"|"bfloat16"|"float16"`` (or fp32/bf16/fp16, or a torch.dtype) ->
-    torch.dtype; ``"auto"`` is resolved for ``device`` (`resolve_dtype`)."""
     import torch
 
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
-        return dtype
-    if str(dtype).strip().lower() == "auto":
-        return getattr(torch, resolve_dtype("auto", device))
-    key = _DTYPE_ALIASES.get(str(dtype).strip().lower().removeprefix("torch."))
-    if key is None:
+        return str(dtype).removeprefix("torch.")
+    name = str(dtype).strip().lower().removeprefix("torch.")
+    if name == "auto":
+        if str(device).startswith("cuda"):
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        return "bfloat16" if native_bf16_cpu() else "float32"
+    if name not in _DTYPE_ALIASES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of 'auto', 'float32', 'bfloat16', 'float16'")
-    return getattr(torch, key)
+    return _DTYPE_ALIASES[name]
+
+
+def parse_dtype(dtype: Any, device: Any = "cpu"):
+    """The torch.dtype of `resolve_dtype(dtype, device)`."""
+    import torch
+
+    return getattr(torch, resolve_dtype(dtype, device))
 
 
 def load_tokenizer(ref: str | os.PathLike, **kwargs):
