@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from specserve.policy import (AcceptanceTracker, LoadModel, MeasuredModes, PolicyConfig, SpeculationPolicy,
-                              StepTimeModel)
+from specserve.policy import (AcceptanceTracker, LoadModel, MeasuredModes, PolicyConfig, PrefillWatch,
+                              SpeculationPolicy, StepTimeModel)
 from specserve.protocol import SamplingParams, Speculation, TokenTree, VerifyResult
 from specserve.request_state import RequestState
 
@@ -719,3 +719,26 @@ def test_the_policy_module_s_examples_hold():
     import specserve.policy
 
     assert doctest.testmod(specserve.policy).failed == 0
+
+
+def test_rounds_that_overlap_a_prompt_prefill_are_not_learnt_as_round_overhead():
+    """At 16 streams a round can wait tens of seconds for other requests' prompt prefills; that
+    wait comes once per arriving request, so a round whose span touched any prefill (one that
+    began before it, during it, or was still running when it began) is not measured, and once
+    every prefill has ended (an aborted one included) rounds are measured again."""
+    watch = PrefillWatch()
+    first = watch.start(prefill=True)
+    assert not watch.clear(first)  # a prefill round is never round overhead
+    during = watch.start(prefill=False)  # begins while the prefill runs
+    watch.end(first)
+    assert not watch.clear(during)
+    spanning = watch.start(prefill=False)
+    other = watch.start(prefill=True)  # a prefill begins and ends inside this round
+    watch.end(other)
+    assert not watch.clear(spanning)
+    after = watch.start(prefill=False)
+    watch.end(after)
+    assert watch.clear(after)
+    aborted = watch.start(prefill=True)
+    watch.end(aborted)  # the router ends a round's mark however the round ended
+    assert watch.active == 0 and watch.clear(watch.start(prefill=False))

@@ -33,7 +33,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.engine import adapt_speculation, sampling_refusal
-from specserve.policy import LoadModel, MeasuredModes, SpeculationPolicy
+from specserve.policy import LoadModel, MeasuredModes, PrefillWatch, SpeculationPolicy
 from specserve.protocol import (
     DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, VerifyRequest, VerifyResult,
 )
@@ -130,6 +130,7 @@ class Router(GrpcApi):
         self.load = LoadModel()
         self.modes = MeasuredModes()  # the model, checked against measured goodput at each load
         self.in_rounds = 0  # requests running rounds here
+        self.prefills = PrefillWatch()  # rounds that waited for a prompt's prefill: not round overhead
         # Prompt lookup runs here, on the token ids the router holds: proposer `ngram`, and the
         # fallback while the draft pool is down.
         self.ngram = NgramProposer(max_n=self.spec.ngram.max_n, min_n=self.spec.ngram.min_n)
@@ -220,9 +221,11 @@ class Router(GrpcApi):
     async def _rounds(self, state: RequestState, deadline: float | None = None) -> AsyncIterator[list[int]]:
         self.in_rounds += 1
         prefill = True  # the first round prefills the prompt: its wait is not a round's overhead
+        mark = None
         try:
             while not state.finished:
                 started = time.perf_counter()
+                mark = self.prefills.start(prefill)
                 self.load.in_flight = self.in_rounds
                 # only requests the policy steers take part in (and are measured by) its epochs
                 mode = self.modes.mode(time.monotonic(), self.in_rounds) if state.adaptive else "model"
@@ -238,13 +241,16 @@ class Router(GrpcApi):
                     proposal = state.proposal_in_hand()
                 verify = state.verify_request(proposal)
                 result = await self._before(deadline, state, self._verify(verify))
+                self.prefills.end(mark)
+                round_mark, mark = mark, None
                 compute = result.compute_s + (proposal.compute_s if proposal is not None else 0.0)
                 wall = time.perf_counter() - started
                 state.stats.round_trip_overhead_s += max(0.0, wall - compute)
                 # the policy's overhead: outside every pass the round spanned (this request's, and
-                # the other requests' passes it waited for)
+                # the other requests' passes it waited for), in rounds no prompt prefill overlapped
+                overhead = wall - compute * self.load.passes(self.load.batch_ema)
                 self._observe_load(result, proposal, draft_call,
-                                   None if prefill else wall - compute * self.load.passes(self.load.batch_ema))
+                                   overhead if self.prefills.clear(round_mark) else None)
                 prefill = False
                 if self.trace is not None:
                     self.trace.write(trace_line(state, decision, mode=mode, in_flight=self.in_rounds, load=self.load,
@@ -258,6 +264,8 @@ class Router(GrpcApi):
                 state.finish_at_stop_string(self.codec.decode)
                 yield emitted
         finally:
+            if mark is not None:  # the round ended early (an error, a deadline, a disconnect)
+                self.prefills.end(mark)
             self.in_rounds -= 1
             self._release(state)
 
