@@ -1,0 +1,431 @@
+"""specserve's vLLM engine on a GPU against vLLM's own server: tokens/s and TTFT at 1 and 4 streams.
+
+    python -m specserve.benchmarks.gpu_vllm bundle --image-freeze F --python P --work W --out C  # offline
+    python -m specserve.benchmarks.gpu_vllm start --model DIR --work W   # start every system (detached)
+    python -m specserve.benchmarks.gpu_vllm bench --work W --out OUT     # measure them, interleaved
+    python -m specserve.benchmarks.gpu_vllm stop --work W
+
+Systems, all on one GPU, from one model directory, on the same prompts, greedy, the same
+max_tokens, EOS ignored (every system generates every token asked for):
+- `vllm none`: `vllm serve`, target only;
+- `vllm native k=4`: `vllm serve --speculative-config` (draft_model, 4 tokens);
+- `specserve vllm pools k=4`: specserve's router with a target pool and a draft pool, both
+  `engine: vllm` (separate pools: each round a propose call and a verify call);
+- `specserve native k=4`: specserve's router over one `engine: vllm` target pool running vLLM's
+  own speculative decoding (`speculation.proposer: native`).
+
+`--load-format dummy` (the default) gives the model random weights (vLLM's fixed-seed dummy
+loader), so only config.json and the tokenizer need to be on the machine. Random weights make a
+separate draft useless, so every speculative system drafts with the target's own model (the same
+dummy weights in every engine): timings compare the systems' machinery at full-length
+speculation, and acceptance says nothing about a real pair. `--draft DIR` names a real draft.
+
+Writes results.json and results.md to --out; every server's log stays in --work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+K = 4
+MODEL_NAME = "bench"
+VLLM_PORTS = {"vllm none": 8101, "vllm native k=4": 8102}
+SERVE_PORT = 8000
+SPECSERVE_ROUTES = {"specserve vllm pools k=4": "/pools", "specserve native k=4": "/native"}
+SYSTEMS = ("vllm none", "vllm native k=4", "specserve vllm pools k=4", "specserve native k=4")
+PROMPTS = (
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Write a Python function that checks whether a string is a palindrome.\n",
+    "import numpy as np\n\ndef moving_average(x, window):\n",
+    "Explain the difference between a process and a thread in three sentences.\n",
+    "class LRUCache:\n    def __init__(self, capacity: int):\n",
+    "SELECT name, COUNT(*) FROM orders\n",
+    "The quick brown fox jumps over the lazy dog. Summarise this sentence:\n",
+    "def merge_sorted(a, b):\n",
+)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def speculative_config(draft: str) -> dict:
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": K}
+
+
+def engine_kwargs(args) -> dict:
+    """vLLM settings every engine shares: a fixed KV budget (no profiling against the other
+    engines on the GPU), the context, the weights."""
+    return {"max_model_len": args.max_model_len, "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30),
+            "load_format": args.load_format}
+
+
+def vllm_command(args, system: str) -> list[str]:
+    kwargs = engine_kwargs(args)
+    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model,
+               "--served-model-name", MODEL_NAME, "--port", str(VLLM_PORTS[system]), "--seed", "0",
+               "--dtype", "bfloat16", "--max-model-len", str(kwargs["max_model_len"]),
+               "--kv-cache-memory-bytes", str(kwargs["kv_cache_memory_bytes"]),
+               "--load-format", kwargs["load_format"], "--enable-prefix-caching"]
+    if system == "vllm native k=4":
+        command += ["--speculative-config", json.dumps(speculative_config(args.draft or args.model))]
+    return command
+
+
+def pool(model: str, kwargs: dict, gpus: float) -> dict:
+    return {"model": model, "engine": "vllm", "device": "cuda", "dtype": "bfloat16", "engine_kwargs": kwargs,
+            "ray_actor_options": {"num_cpus": 1, "num_gpus": gpus}, "num_replicas": 1,
+            "max_ongoing_requests": 64, "health_check_timeout_s": 600}
+
+
+def specserve_config(args) -> dict:
+    """A Serve config with both specserve systems as two applications of one cluster."""
+    kwargs = engine_kwargs(args)
+    router = {"ray_actor_options": {"num_cpus": 1}, "max_ongoing_requests": 64, "max_queued_requests": 64}
+    pools_app = {"model_name": MODEL_NAME, "target": pool(args.model, kwargs, 0.3),
+                 "draft": pool(args.draft or args.model, kwargs, 0.3),
+                 "speculation": {"proposer": "draft", "shape": "chain", "k": K, "policy": "fixed"}, "router": router}
+    native_kwargs = kwargs | {"speculative_config": speculative_config(args.draft or args.model)}
+    native_app = {"model_name": MODEL_NAME, "target": pool(args.model, native_kwargs, 0.3),
+                  "speculation": {"proposer": "native"}, "router": router}
+    return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": SERVE_PORT},
+            "applications": [
+                {"name": "pools", "route_prefix": SPECSERVE_ROUTES["specserve vllm pools k=4"],
+                 "import_path": "specserve.serve:build_app", "args": pools_app},
+                {"name": "native", "route_prefix": SPECSERVE_ROUTES["specserve native k=4"],
+                 "import_path": "specserve.serve:build_app", "args": native_app}]}
+
+
+def base_url(system: str) -> str:
+    if system in VLLM_PORTS:
+        return f"http://127.0.0.1:{VLLM_PORTS[system]}"
+    return f"http://127.0.0.1:{SERVE_PORT}{SPECSERVE_ROUTES[system]}"
+
+
+def detached(command: list[str], log_path: Path, env: dict | None = None) -> int:
+    """Start a process in its own session (it outlives this command), output to log_path."""
+    with open(log_path, "ab") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env=env or os.environ.copy())
+    return process.pid
+
+
+def log_name(system: str) -> str:
+    return system.replace(" ", "_").replace("=", "")
+
+
+def start(args) -> None:
+    """Start the systems in their own sessions (they outlive this command, Ray included), then
+    wait until each serves or fails."""
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    pids = json.loads((work / "pids.json").read_text()) if (work / "pids.json").exists() else {}
+    for system in [s for s in VLLM_PORTS if s in args.systems]:
+        pids[system] = detached(vllm_command(args, system), work / f"{log_name(system)}.log")
+        log(f"started {system} (pid {pids[system]})")
+    if any(s in SPECSERVE_ROUTES for s in args.systems):
+        config = work / "specserve.yaml"
+        config.write_text(yaml.safe_dump(specserve_config(args), sort_keys=False))
+        env = os.environ | {"RAY_AUTH_MODE": "disabled"}
+        pids["ray"] = detached([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                                "--num-gpus", "1", "--disable-usage-stats"], work / "ray.log", env)
+        time.sleep(15)
+        subprocess.run([sys.executable, "-m", "ray.serve.scripts", "deploy", str(config)], check=True, env=env)
+    (work / "pids.json").write_text(json.dumps(pids))
+    wait_ready([s for s in args.systems if s in pids or s in SPECSERVE_ROUTES], args.ready_timeout_s, pids)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def serve_app_status(system: str) -> tuple[str, str]:
+    """(status, messages) of a specserve system's Serve application: RUNNING once every pool's
+    engine is up (the router answers /v1/models before that)."""
+    from ray import serve
+
+    name = SPECSERVE_ROUTES[system].strip("/")
+    app = serve.status().applications.get(name)
+    if app is None:
+        return "MISSING", ""
+    messages = "\n".join(f"{d}: {s.message}" for d, s in app.deployments.items() if s.message)
+    return str(getattr(app.status, "value", app.status)), messages
+
+
+def wait_ready(systems, timeout_s: float, pids: dict) -> None:
+    """Until every system serves, one fails (its process exits, its Serve application fails to
+    deploy), or the timeout passes; a failure prints what it said."""
+    import httpx
+    import ray
+
+    pending, deadline = set(systems), time.monotonic() + timeout_s
+    if pending & set(SPECSERVE_ROUTES):
+        ray.init(address="auto", logging_level="ERROR")
+    while pending and time.monotonic() < deadline:
+        for system in sorted(pending):
+            if system in SPECSERVE_ROUTES:
+                status, messages = serve_app_status(system)
+                ready, failed = status == "RUNNING", status == "DEPLOY_FAILED"
+            else:
+                failed, messages = not alive(pids[system]), ""
+                try:
+                    ready = httpx.get(base_url(system) + "/v1/models", timeout=2).status_code == 200
+                except httpx.HTTPError:
+                    ready = False
+            if ready or failed:
+                pending.discard(system)
+                log(f"{system} {'ready' if ready else 'FAILED'}{chr(10) + messages if failed else ''}")
+        time.sleep(3)
+    if pending:
+        log(f"not ready after {timeout_s:.0f} s: {sorted(pending)}")
+
+
+async def one_request(client, system: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    started = time.perf_counter()
+    first, usage = None, None
+    async with client.stream("POST", base_url(system) + "/v1/completions", json=body, timeout=600) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{system}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("choices") and first is None:
+                first = time.perf_counter() - started
+            usage = chunk.get("usage") or usage
+    return {"ttft_s": first, "seconds": time.perf_counter() - started,
+            "tokens": (usage or {}).get("completion_tokens", 0)}
+
+
+async def run_load(system: str, prompts: list[str], streams: int, max_tokens: int) -> dict:
+    """Every prompt once, `streams` requests in flight; tokens/s over the wall time."""
+    import httpx
+
+    queue = list(prompts)
+    results = []
+
+    async def worker(client):
+        while queue:
+            results.append(await one_request(client, system, queue.pop(0), max_tokens))
+
+    async with httpx.AsyncClient() as client:
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(streams)))
+        wall = time.perf_counter() - started
+    tokens = sum(r["tokens"] for r in results)
+    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "ttft_s": statistics.median(r["ttft_s"] for r in results)}
+
+
+def vllm_spec_counters(system: str) -> dict[str, float]:
+    """vLLM's speculative counters from a `vllm serve` /metrics page."""
+    import httpx
+
+    names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    counters = {}
+    for line in httpx.get(base_url(system) + "/metrics", timeout=10).text.splitlines():
+        for name in names:
+            if line.startswith(f"vllm:spec_decode_{name}_total"):
+                counters[name] = counters.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counters
+
+
+def bench(args) -> dict:
+    systems = [s for s in SYSTEMS if s in args.systems]
+    prompts = list(PROMPTS)
+    results = {"systems": systems, "max_tokens": args.max_tokens, "streams": args.streams, "passes": [],
+               "prompts": len(prompts), "load_format": args.load_format}
+    for system in systems:  # warm-up: one request each (CUDA graphs, caches)
+        asyncio.run(run_load(system, prompts[:1], 1, 16))
+    for p in range(args.passes):
+        order = systems if p % 2 == 0 else systems[::-1]  # A B .. B A
+        for streams in args.streams:
+            for system in order:
+                before = vllm_spec_counters(system) if system == "vllm native k=4" else {}
+                count = len(prompts) if streams > 1 else args.single_stream_prompts
+                row = asyncio.run(run_load(system, prompts[:count], streams, args.max_tokens))
+                if before:
+                    after = vllm_spec_counters(system)
+                    drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+                    accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
+                    row["tokens_per_round"] = (accepted + drafts) / drafts if drafts else None
+                row |= {"system": system, "streams": streams, "pass": p}
+                results["passes"].append(row)
+                log(f"pass {p} {system} x{streams}: {row['tok_s']:.1f} tok/s, TTFT {row['ttft_s'] * 1000:.0f} ms")
+    results["summary"] = summarize(results["passes"])
+    return results
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per system and stream count: mean tok/s and median TTFT over the passes, and tok/s
+    relative to `vllm native k=4` at the same streams (the issue's goal: >= 1.0x at 1 stream).
+
+    >>> rows = [{"system": "a", "streams": 1, "tok_s": 10.0, "ttft_s": 0.1},
+    ...         {"system": "vllm native k=4", "streams": 1, "tok_s": 20.0, "ttft_s": 0.2}]
+    >>> [(r["system"], r["vs_vllm_native"]) for r in summarize(rows)]
+    [('a', 0.5), ('vllm native k=4', 1.0)]
+    """
+    keys = sorted({(r["system"], r["streams"]) for r in rows}, key=lambda k: (k[1], k[0]))
+    out = []
+    for system, streams in keys:
+        mine = [r for r in rows if (r["system"], r["streams"]) == (system, streams)]
+        out.append({"system": system, "streams": streams, "tok_s": statistics.mean(r["tok_s"] for r in mine),
+                    "tok_s_passes": [round(r["tok_s"], 1) for r in mine],
+                    "ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in mine)})
+    for row in out:
+        peer = [r for r in out if r["system"] == "vllm native k=4" and r["streams"] == row["streams"]]
+        row["vs_vllm_native"] = round(row["tok_s"] / peer[0]["tok_s"], 2) if peer else None
+    return out
+
+
+def markdown(results: dict) -> str:
+    lines = ["| system | streams | tok/s (passes) | TTFT ms (median) | vs vLLM native |", "|---|---|---|---|---|"]
+    for r in results["summary"]:
+        lines.append(f"| {r['system']} | {r['streams']} | {r['tok_s']:.1f} ({', '.join(map(str, r['tok_s_passes']))})"
+                     f" | {r['ttft_ms']:.0f} | {r['vs_vllm_native']}x |")
+    return "\n".join(lines) + "\n"
+
+
+# An offline bundle for a GPU machine that has torch but no package index: vLLM, Ray Serve and
+# what they import that the machine lacks, trimmed, as a zstd tarball in chunks. vLLM 0.26.0 is
+# the last release pinning torch==2.11.0 (0.27-0.33 pin 2.13.0); its kernels use torch's stable
+# ABI and CUDA 13. Checked on an H100 image with torch 2.11.0+cu130 (docs/bench/gpu-h100-vllm).
+BUNDLE_REQUIREMENTS = ("vllm==0.26.0", "ray[serve]==2.60.0", "openai", "httpx", "pyyaml")
+# Not carried: already on such an image, or kernels for other models (MoE, MLA, FP4, Blackwell)
+BUNDLE_SKIP = frozenset((
+    "numba", "llvmlite", "numpy", "protobuf", "setuptools", "cuda-python", "cuda-bindings", "cuda-tile",
+    "nvidia-cuda-nvcc", "nvidia-cuda-cccl", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-nvdisasm",
+    "nvidia-cudnn-frontend", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-cu12",
+    "nvidia-cutlass-dsl-libs-cu13", "nvidia-cutlass-dsl-libs-core", "quack-kernels", "tilelang", "tokenspeed-mla",
+    "tokenspeed-triton", "humming-kernels", "pynvvideocodec", "torchcodec", "z3-solver", "fastsafetensors",
+    "torch_c_dlpack_ext", "grpcio-reflection"))  # grpcio-reflection: added at the image's grpcio version
+BUNDLE_TRIM = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",  # FA2: pre-Hopper GPUs (FA3 serves an H100)
+               "vllm/vllm-rs", "vllm/third_party/deep_gemm", "vllm/third_party/fmha_sm100",
+               "vllm/_flashmla_C.abi3.so", "vllm/_flashmla_extension_C.abi3.so", "vllm/_qutlass_C.abi3.so",
+               "vllm/_moe_C_stable_libtorch.abi3.so", "ray/jars", "ray/rllib")
+MANYLINUX = ("manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
+             "manylinux_2_26_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux_2_5_x86_64", "manylinux1_x86_64")
+
+
+def bundle(args) -> None:
+    """Build the offline bundle: resolve the requirements against the GPU machine's own packages
+    (`pip list --format=freeze` there, --image-freeze), download what is missing, install it into
+    one directory for that Python (--python, the same minor version), trim it, and write
+    site.tar.zst in --chunk-mib pieces to --out. On the machine: cat site.* | zstd -d | tar x,
+    then PYTHONPATH=$PWD/gpusite:<specserve checkout>."""
+    import shutil
+    import urllib.request
+
+    work, out = Path(args.work), Path(args.out)
+    resolver, site = work / "resolver", work / "gpusite"
+    shutil.rmtree(resolver, ignore_errors=True)
+    subprocess.run([args.python, "-m", "venv", str(resolver)], check=True)
+    python = str(resolver / "bin" / "python")
+    packages = Path(subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                                   capture_output=True, text=True).stdout.strip())
+    image = dict(line.strip().split("==", 1) for line in open(args.image_freeze) if "==" in line)
+    for name, version in image.items():  # the image's packages, as installed metadata only
+        stub = packages / f"{name.replace('-', '_')}-{version}.dist-info"
+        stub.mkdir(exist_ok=True)
+        (stub / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        (stub / "RECORD").write_text("")
+    report = work / "report.json"
+    subprocess.run([python, "-m", "pip", "install", "-q", "--dry-run", "--only-binary=:all:", "--report", str(report),
+                    *BUNDLE_REQUIREMENTS], check=True)
+    wheels = work / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    if "grpcio" in image:  # Serve imports it; at the machine's own grpcio (the resolver's pick conflicts with it)
+        subprocess.run([python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(wheels),
+                        f"grpcio-reflection=={image['grpcio']}"], check=True)
+    chosen = [i for i in json.loads(report.read_text())["install"] if i["metadata"]["name"] not in BUNDLE_SKIP]
+    for number, item in enumerate(chosen, 1):
+        url = item["download_info"]["url"]
+        target = wheels / url.rsplit("/", 1)[1]
+        if not target.exists():
+            urllib.request.urlretrieve(url, target)
+        log(f"[{number}/{len(chosen)}] {target.name}")
+    shutil.rmtree(site, ignore_errors=True)
+    platforms = [flag for tag in MANYLINUX for flag in ("--platform", tag)]
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile", "--target",
+                    str(site), "--only-binary=:all:", "--python-version", args.python_version, *platforms,
+                    *map(str, wheels.glob("*.whl"))], check=True)
+    for path in BUNDLE_TRIM:
+        target = site / path
+        shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    tar = subprocess.Popen(["tar", "cf", "-", "-C", str(work), site.name], stdout=subprocess.PIPE)
+    subprocess.run(["zstd", "-T0", "-15", "-q", "-f", "-o", str(out / "site.tar.zst")], stdin=tar.stdout, check=True)
+    tar.wait()
+    subprocess.run(["split", "-b", str(int(args.chunk_mib * 2**20)), "-d", "-a", "1", str(out / "site.tar.zst"),
+                    str(out / "site.")], check=True)
+    (out / "site.tar.zst").unlink()
+    log(f"{len(chosen)} packages; chunks: {sorted(p.name for p in out.glob('site.*'))}")
+
+
+def stop(args) -> None:
+    work = Path(args.work)
+    pids = json.loads((work / "pids.json").read_text()) if (work / "pids.json").exists() else {}
+    for pid in pids.values():
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], check=False)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=("bundle", "start", "bench", "stop"))
+    parser.add_argument("--model", help="the target's directory (config.json and tokenizer; weights unless dummy)")
+    parser.add_argument("--draft", help="a real draft's directory (default: the target itself)")
+    parser.add_argument("--work", required=True,
+                        help="logs, the Serve config and the servers' pids (bundle: its build folder)")
+    parser.add_argument("--out", help="results.json and results.md (bench); the chunks (bundle)")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0)
+    parser.add_argument("--ready-timeout-s", type=float, default=480)
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS))
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--single-stream-prompts", type=int, default=4)
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--image-freeze", help="bundle: `pip list --format=freeze` from the GPU machine")
+    parser.add_argument("--python", default="python3.12", help="bundle: a local interpreter of the machine's version")
+    parser.add_argument("--python-version", default="3.12")
+    parser.add_argument("--chunk-mib", type=float, default=40)
+    args = parser.parse_args(argv)
+    if args.action == "bundle":
+        bundle(args)
+    elif args.action == "start":
+        start(args)
+    elif args.action == "stop":
+        stop(args)
+    else:
+        results = bench(args)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "results.md").write_text(markdown(results))
+        print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
