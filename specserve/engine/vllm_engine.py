@@ -52,6 +52,7 @@ from specserve.protocol import (
 
 DEFAULT_SCORE_LOGPROBS = 20  # top-N logprobs per row: sampling is exact for top_k <= N
 NATIVE_ROUND_TOKENS = 16  # native mode: tokens one round asks vLLM for (its own speculation inside)
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a whole GPU's memory
 SPECSERVE_KWARGS = ("score_logprobs",)  # engine_kwargs specserve reads; the rest go to AsyncEngineArgs
 
 
@@ -82,6 +83,11 @@ def engine_args(pool_args: dict[str, Any], model_path: str, role: str = "target"
     }
     if not str(pool_args.get("device", "cpu")).startswith("cuda"):
         args["kv_cache_memory_bytes"] = int(pool_args["kv_cache_memory"])
+    elif 0 < (share := float(pool_args.get("ray_actor_options", {}).get("num_gpus", 1) or 1)) < 1:
+        # A replica on a fraction of a GPU (pools sharing one) asks vLLM for that fraction of its
+        # memory: vLLM refuses to start while less than gpu_memory_utilization x total is free,
+        # and its default (0.9) fails every pool that starts after another on the same GPU.
+        args["gpu_memory_utilization"] = round(GPU_MEMORY_UTILIZATION * share, 3)
     if role == "draft":  # a draft reports the distributions it sampled from: after temperature, top-k, top-p
         args["logprobs_mode"] = "processed_logprobs"
     return args | extra
