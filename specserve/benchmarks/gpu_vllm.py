@@ -212,12 +212,15 @@ async def one_request(client, system: str, prompt: str, max_tokens: int) -> dict
             if chunk.get("choices") and first is None:
                 first = time.perf_counter() - started
             usage = chunk.get("usage") or usage
-    return {"ttft_s": first, "seconds": time.perf_counter() - started,
-            "tokens": (usage or {}).get("completion_tokens", 0)}
+    usage = usage or {}
+    return {"ttft_s": first, "seconds": time.perf_counter() - started, "tokens": usage.get("completion_tokens", 0),
+            # specserve's usage extension: its target passes (vLLM's server reports none)
+            "target_steps": (usage.get("speculation") or {}).get("target_steps")}
 
 
-async def run_load(system: str, prompts: list[str], streams: int, max_tokens: int) -> dict:
-    """Every prompt once, `streams` requests in flight; tokens/s over the wall time."""
+async def run_load(system: str, prompts: list[str], streams: int, max_tokens: int, transport=None) -> dict:
+    """Every prompt once, `streams` requests in flight: tokens/s over the wall time, the median
+    TTFT, and tokens per target pass where the system reports its passes."""
     import httpx
 
     queue = list(prompts)
@@ -227,13 +230,15 @@ async def run_load(system: str, prompts: list[str], streams: int, max_tokens: in
         while queue:
             results.append(await one_request(client, system, queue.pop(0), max_tokens))
 
-    async with httpx.AsyncClient() as client:
+    async with httpx.AsyncClient(transport=transport) as client:
         started = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(streams)))
         wall = time.perf_counter() - started
     tokens = sum(r["tokens"] for r in results)
+    steps = [r["target_steps"] for r in results]
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "ttft_s": statistics.median(r["ttft_s"] for r in results)}
+            "ttft_s": statistics.median(r["ttft_s"] for r in results),
+            "tokens_per_round": tokens / sum(steps) if None not in steps and sum(steps) else None}
 
 
 def vllm_spec_counters(system: str) -> dict[str, float]:
@@ -263,7 +268,7 @@ def bench(args) -> dict:
                 before = vllm_spec_counters(system) if system == "vllm native k=4" else {}
                 count = len(prompts) if streams > 1 else args.single_stream_prompts
                 row = asyncio.run(run_load(system, prompts[:count], streams, args.max_tokens))
-                if before:
+                if before:  # vLLM's server: tokens per speculative step from its counters
                     after = vllm_spec_counters(system)
                     drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
                     accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
@@ -290,7 +295,9 @@ def summarize(rows: list[dict]) -> list[dict]:
         mine = [r for r in rows if (r["system"], r["streams"]) == (system, streams)]
         out.append({"system": system, "streams": streams, "tok_s": statistics.mean(r["tok_s"] for r in mine),
                     "tok_s_passes": [round(r["tok_s"], 1) for r in mine],
-                    "ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in mine)})
+                    "ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in mine),
+                    "tokens_per_round": statistics.mean(t) if (t := [r["tokens_per_round"] for r in mine
+                                                                     if r.get("tokens_per_round")]) else None})
     for row in out:
         peer = [r for r in out if r["system"] == "vllm native k=4" and r["streams"] == row["streams"]]
         row["vs_vllm_native"] = round(row["tok_s"] / peer[0]["tok_s"], 2) if peer else None
@@ -298,10 +305,13 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| system | streams | tok/s (passes) | TTFT ms (median) | vs vLLM native |", "|---|---|---|---|---|"]
+    lines = ["| system | streams | tok/s (passes) | TTFT ms (median) | tokens per round | vs vLLM native |",
+             "|---|---|---|---|---|---|"]
     for r in results["summary"]:
+        per_round = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
+        ratio = f"{r['vs_vllm_native']}x" if r["vs_vllm_native"] is not None else "-"
         lines.append(f"| {r['system']} | {r['streams']} | {r['tok_s']:.1f} ({', '.join(map(str, r['tok_s_passes']))})"
-                     f" | {r['ttft_ms']:.0f} | {r['vs_vllm_native']}x |")
+                     f" | {r['ttft_ms']:.0f} | {per_round} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
