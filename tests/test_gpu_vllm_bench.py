@@ -87,3 +87,11 @@ def test_the_table_compares_each_system_with_vllm_s_own_speculation_at_the_same_
     assert summary[("vllm none", 4)]["vs_vllm_native"] is None  # no peer at 4 streams in this run
     table = gpu_vllm.markdown({"summary": gpu_vllm.summarize(rows)})
     assert "| specserve native k=4 | 1 | 105.0 (105.0) | 50 | 4.60 | 0.5x |" in table
+
+
+def test_a_failed_start_shows_the_error_lines_of_the_logs(tmp_path):
+    log = tmp_path / "engine.log"
+    log.write_text("INFO starting\n  File \"x.py\", line 1, in <module>\nValueError: Free memory on device (50/80 GiB)\n"
+                   "RuntimeError: Engine core initialization failed.\nValueError: Free memory on device (50/80 GiB)\n")
+    assert gpu_vllm.error_lines([log, tmp_path / "missing.log"]) == [
+        "ValueError: Free memory on device (50/80 GiB)", "RuntimeError: Engine core initialization failed."]

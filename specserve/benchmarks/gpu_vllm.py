@@ -4,6 +4,7 @@
     python -m specserve.benchmarks.gpu_vllm start --model DIR --work W   # start every system (detached)
     python -m specserve.benchmarks.gpu_vllm bench --work W --out OUT     # measure them, interleaved
     python -m specserve.benchmarks.gpu_vllm stop --work W
+    python -m specserve.benchmarks.gpu_vllm all --model DIR --work W --out OUT  # the three in one command
 
 Systems, all on one GPU, from one model directory, on the same prompts, greedy, the same
 max_tokens, EOS ignored (every system generates every token asked for):
@@ -128,9 +129,9 @@ def log_name(system: str) -> str:
     return system.replace(" ", "_").replace("=", "")
 
 
-def start(args) -> None:
-    """Start the systems in their own sessions (they outlive this command, Ray included), then
-    wait until each serves or fails."""
+def start(args) -> list[str]:
+    """Start the systems in their own sessions (they outlive this command, Ray included), wait
+    until each serves or fails, and return those that serve."""
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     pids = json.loads((work / "pids.json").read_text()) if (work / "pids.json").exists() else {}
@@ -146,7 +147,8 @@ def start(args) -> None:
         time.sleep(15)
         subprocess.run([sys.executable, "-m", "ray.serve.scripts", "deploy", str(config)], check=True, env=env)
     (work / "pids.json").write_text(json.dumps(pids))
-    wait_ready([s for s in args.systems if s in pids or s in SPECSERVE_ROUTES], args.ready_timeout_s, pids)
+    return wait_ready([s for s in args.systems if s in pids or s in SPECSERVE_ROUTES], args.ready_timeout_s, pids,
+                      work)
 
 
 def alive(pid: int) -> bool:
@@ -169,13 +171,13 @@ def serve_app_status(system: str) -> tuple[str, str]:
     return str(getattr(app.status, "value", app.status)), messages
 
 
-def wait_ready(systems, timeout_s: float, pids: dict) -> None:
+def wait_ready(systems, timeout_s: float, pids: dict, work: Path) -> list[str]:
     """Until every system serves, one fails (its process exits, its Serve application fails to
-    deploy), or the timeout passes; a failure prints what it said."""
+    deploy), or the timeout passes. A failure prints its error lines; returns those that serve."""
     import httpx
     import ray
 
-    pending, deadline = set(systems), time.monotonic() + timeout_s
+    pending, ready_systems, deadline = set(systems), [], time.monotonic() + timeout_s
     if pending & set(SPECSERVE_ROUTES):
         ray.init(address="auto", logging_level="ERROR")
     while pending and time.monotonic() < deadline:
@@ -189,12 +191,30 @@ def wait_ready(systems, timeout_s: float, pids: dict) -> None:
                     ready = httpx.get(base_url(system) + "/v1/models", timeout=2).status_code == 200
                 except httpx.HTTPError:
                     ready = False
-            if ready or failed:
+            if ready:
                 pending.discard(system)
-                log(f"{system} {'ready' if ready else 'FAILED'}{chr(10) + messages if failed else ''}")
+                ready_systems.append(system)
+                log(f"{system} ready")
+            elif failed:
+                pending.discard(system)
+                logs = [work / f"{log_name(system)}.log"] if system in VLLM_PORTS else \
+                    sorted(Path("/tmp/ray/session_latest/logs").glob("worker-*.err"))
+                log(f"{system} FAILED\n{messages}\n" + "\n".join(error_lines(logs)))
         time.sleep(3)
     if pending:
         log(f"not ready after {timeout_s:.0f} s: {sorted(pending)}")
+    return ready_systems
+
+
+def error_lines(logs: list[Path], limit: int = 20) -> list[str]:
+    """The distinct lines that name an error in `logs`, last `limit` of them (the root cause of
+    an engine that did not start is in its own process's log, not in the message above it)."""
+    seen = {}
+    for path in logs:
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else ():
+            if "Error" in line and not line.lstrip().startswith("File "):
+                seen[line.strip()] = None
+    return list(seen)[-limit:]
 
 
 async def one_request(client, system: str, prompt: str, max_tokens: int) -> dict:
@@ -405,7 +425,7 @@ def stop(args) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=("bundle", "start", "bench", "stop"))
+    parser.add_argument("action", choices=("bundle", "start", "bench", "stop", "all"))
     parser.add_argument("--model", help="the target's directory (config.json and tokenizer; weights unless dummy)")
     parser.add_argument("--draft", help="a real draft's directory (default: the target itself)")
     parser.add_argument("--work", required=True,
@@ -431,13 +451,21 @@ def main(argv=None) -> None:
         start(args)
     elif args.action == "stop":
         stop(args)
-    else:
-        results = bench(args)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-        (out / "results.md").write_text(markdown(results))
-        print(markdown(results))
+    elif args.action == "bench":
+        write_results(bench(args), Path(args.out))
+    else:  # all: where each command's processes end with it
+        try:
+            args.systems = start(args)
+            write_results(bench(args), Path(args.out))
+        finally:
+            stop(args)
+
+
+def write_results(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(markdown(results))
+    print(markdown(results))
 
 
 if __name__ == "__main__":
