@@ -67,8 +67,8 @@ def speculative_config(draft: str) -> dict:
 
 
 def engine_kwargs(args) -> dict:
-    """vLLM settings every engine shares: a fixed KV budget (no profiling against the other
-    engines on the GPU), the context, the weights."""
+    """vLLM settings every engine shares: a fixed KV budget (its size does not depend on what
+    the other engines on the GPU hold when it starts), the context, the weights."""
     return {"max_model_len": args.max_model_len, "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30),
             "load_format": args.load_format}
 
