@@ -217,47 +217,18 @@ def error_lines(logs: list[Path], limit: int = 20) -> list[str]:
     return list(seen)[-limit:]
 
 
-async def one_request(client, system: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
-    started = time.perf_counter()
-    first, usage = None, None
-    async with client.stream("POST", base_url(system) + "/v1/completions", json=body, timeout=600) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{system}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if chunk.get("choices") and first is None:
-                first = time.perf_counter() - started
-            usage = chunk.get("usage") or usage
-    usage = usage or {}
-    return {"ttft_s": first, "seconds": time.perf_counter() - started, "tokens": usage.get("completion_tokens", 0),
-            # specserve's usage extension: its target passes (vLLM's server reports none)
-            "target_steps": (usage.get("speculation") or {}).get("target_steps")}
-
-
 async def run_load(system: str, prompts: list[str], streams: int, max_tokens: int, transport=None) -> dict:
-    """Every prompt once, `streams` requests in flight: tokens/s over the wall time, the median
-    TTFT, and tokens per target pass where the system reports its passes."""
-    import httpx
+    """Every prompt once, `streams` requests in flight, EOS ignored: tokens/s over the wall time,
+    the median TTFT, and tokens per target pass where the system reports its passes (specserve's
+    usage extension; vLLM's server reports none)."""
+    from specserve.benchmarks.http import run_level
 
-    queue = list(prompts)
-    results = []
-
-    async def worker(client):
-        while queue:
-            results.append(await one_request(client, system, queue.pop(0), max_tokens))
-
-    async with httpx.AsyncClient(transport=transport) as client:
-        started = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(streams)))
-        wall = time.perf_counter() - started
-    tokens = sum(r["tokens"] for r in results)
-    steps = [r["target_steps"] for r in results]
+    wall, results = await run_level(base_url(system), MODEL_NAME, prompts, max_tokens, streams, None,
+                                    extra={"ignore_eos": True}, transport=transport)
+    tokens = sum(r.tokens for r in results)
+    steps = [r.speculation.get("target_steps") for r in results]
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "ttft_s": statistics.median(r["ttft_s"] for r in results),
+            "ttft_s": statistics.median(r.ttft_s for r in results),
             "tokens_per_round": tokens / sum(steps) if None not in steps and sum(steps) else None}
 
 

@@ -30,10 +30,11 @@ class StreamResult:
 
 
 async def stream_completion(http, url: str, model: str, prompt: str | list[int], max_tokens: int, method: str | None,
-                            *, speculation: dict | None = None) -> StreamResult:
-    """Stream one greedy completion. ``speculation`` (e.g. {"method": "draft", "k": 4}) overrides ``method``."""
+                            *, speculation: dict | None = None, extra: dict | None = None) -> StreamResult:
+    """Stream one greedy completion. ``speculation`` (e.g. {"method": "draft", "k": 4}) overrides
+    ``method``; ``extra`` adds body fields (e.g. ``ignore_eos``)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra or {})}
     if speculation is not None:
         body["speculation"] = speculation
     elif method is not None:
@@ -56,25 +57,25 @@ async def stream_completion(http, url: str, model: str, prompt: str | list[int],
                 result.text += chunk["choices"][0]["text"]
             if chunk.get("usage"):
                 result.tokens = chunk["usage"]["completion_tokens"]
-                result.speculation = chunk["usage"]["speculation"]
+                result.speculation = chunk["usage"].get("speculation", {})  # specserve's extension
     result.seconds = time.perf_counter() - started
     return result
 
 
-async def run_level(url, model, prompts, max_tokens, concurrency, method, *,
-                    speculation: dict | None = None) -> tuple[float, list[StreamResult]]:
+async def run_level(url, model, prompts, max_tokens, concurrency, method, *, speculation: dict | None = None,
+                    extra: dict | None = None, transport=None) -> tuple[float, list[StreamResult]]:
     import httpx
 
     queue = list(prompts)
     results: list[StreamResult] = [None] * len(prompts)  # type: ignore[list-item]
 
-    async with httpx.AsyncClient(timeout=3600) as http:
+    async with httpx.AsyncClient(timeout=3600, transport=transport) as http:
         async def worker():
             while queue:
                 index = len(prompts) - len(queue)
                 prompt = queue.pop(0)
                 results[index] = await stream_completion(http, url, model, prompt, max_tokens, method,
-                                                         speculation=speculation)
+                                                         speculation=speculation, extra=extra)
 
         started = time.perf_counter()
         await asyncio.gather(*[worker() for _ in range(concurrency)])
