@@ -12,7 +12,7 @@ from specserve.serve.config import AppArgs
 
 
 def bench_args(**overrides):
-    values = dict(model="/models/target", draft=None, max_model_len=4096, kv_cache_gib=4.0, load_format="dummy")
+    values = dict(model="/models/target", draft=None, max_model_len=4096, kv_cache_gib=4.0, load_format="dummy", max_num_seqs=32)
     return argparse.Namespace(**(values | overrides))
 
 
@@ -93,5 +93,52 @@ def test_a_failed_start_shows_the_error_lines_of_the_logs(tmp_path):
     log = tmp_path / "engine.log"
     log.write_text("INFO starting\n  File \"x.py\", line 1, in <module>\nValueError: Free memory on device (50/80 GiB)\n"
                    "RuntimeError: Engine core initialization failed.\nValueError: Free memory on device (50/80 GiB)\n")
-    assert gpu_vllm.error_lines([log, tmp_path / "missing.log"]) == [
-        "ValueError: Free memory on device (50/80 GiB)", "RuntimeError: Engine core initialization failed."]
+    stdout = tmp_path / "worker.out"  # vLLM's engine core logs to stdout
+    stdout.write_text("(EngineCore pid=7) ERROR 11-26 EngineCore failed to start.\nINFO fine\n")
+    assert gpu_vllm.error_lines([log, tmp_path / "missing.log", stdout]) == [
+        "ValueError: Free memory on device (50/80 GiB)", "RuntimeError: Engine core initialization failed.",
+        "(EngineCore pid=7) ERROR 11-26 EngineCore failed to start."]
+
+
+def test_every_engine_gets_the_same_small_batch_limit():
+    """CUDA graphs are captured up to 2 x max_num_seqs tokens: the same limit for every engine."""
+    native_args = gpu_vllm.vllm_command(bench_args(max_num_seqs=16), "vllm native k=4")
+    assert native_args[native_args.index("--max-num-seqs") + 1] == "16"
+    config = gpu_vllm.specserve_config(bench_args(max_num_seqs=16))
+    pools = [app["args"][role] for app in config["applications"] for role in ("target", "draft") if role in app["args"]]
+    assert len(pools) == 3 and all(p["engine_kwargs"]["max_num_seqs"] == 16 for p in pools)
+
+
+def test_a_bench_past_its_budget_keeps_what_it_measured(tmp_path, monkeypatch):
+    """Past --bench-budget-s no new row starts; the rows so far are in results.json already."""
+    calls = []
+
+    async def fake_load(system, prompts, streams, max_tokens, transport=None):
+        calls.append((system, streams, max_tokens))
+        return {"tokens": 8, "wall_s": 1.0, "tok_s": 8.0, "ttft_s": 0.01, "tokens_per_round": None}
+
+    clock = iter(range(0, 1000, 10))
+    monkeypatch.setattr(gpu_vllm, "run_load", fake_load)
+    args = bench_args(systems=["vllm none", "specserve native k=4"], max_tokens=8, streams=[1, 4], passes=2,
+                      single_stream_prompts=1, bench_budget_s=25)
+    results = gpu_vllm.bench(args, tmp_path, clock=lambda: next(clock))
+    assert results["cut_short"] and len(results["passes"]) == 2  # rows at t=10 and t=20, then past 25 s
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [r["system"] for r in saved["passes"]] == ["vllm none", "specserve native k=4"]
+
+
+def test_the_logs_travel_back_as_one_archive(tmp_path, monkeypatch):
+    import tarfile
+
+    work, ray_logs = tmp_path / "work", tmp_path / "ray"
+    (ray_logs / "serve").mkdir(parents=True)
+    work.mkdir()
+    (work / "vllm_none.log").write_text("x" * 100)
+    (ray_logs / "worker-1.out").write_text("head" + "y" * 50)
+    (ray_logs / "serve" / "replica_pools.log").write_text("z")
+    monkeypatch.setattr(gpu_vllm, "RAY_LOGS", str(ray_logs))
+    path = gpu_vllm.save_logs(work, tmp_path / "out", max_file_bytes=50)
+    with tarfile.open(path) as tar:
+        names = tar.getnames()
+        assert sorted(names) == ["ray/worker-1.out", "serve/replica_pools.log", "work/vllm_none.log"]
+        assert tar.extractfile("ray/worker-1.out").read() == b"y" * 50  # the file's end

@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -43,6 +46,7 @@ K = 4
 MODEL_NAME = "bench"
 VLLM_PORTS = {"vllm none": 8101, "vllm native k=4": 8102}
 SERVE_PORT = 8000
+RAY_LOGS = "/tmp/ray/session_latest/logs"
 SERVER_GPU_SHARE = 0.2  # of the GPU's memory, per `vllm serve`; specserve's pools ask Ray for 0.25 each
 SPECSERVE_ROUTES = {"specserve vllm pools k=4": "/pools", "specserve native k=4": "/native"}
 SYSTEMS = ("vllm none", "vllm native k=4", "specserve vllm pools k=4", "specserve native k=4")
@@ -70,7 +74,10 @@ def engine_kwargs(args) -> dict:
     """vLLM settings every engine shares: a fixed KV budget (its size does not depend on what
     the other engines on the GPU hold when it starts), the context, the weights."""
     return {"max_model_len": args.max_model_len, "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30),
-            "load_format": args.load_format}
+            "load_format": args.load_format,
+            # the bench runs at most a few streams: CUDA graphs up to 2x this many tokens, not 512
+            # (minutes less start-up for every engine, the same settings for all of them)
+            "max_num_seqs": args.max_num_seqs}
 
 
 def vllm_command(args, system: str) -> list[str]:
@@ -80,6 +87,7 @@ def vllm_command(args, system: str) -> list[str]:
                "--dtype", "bfloat16", "--max-model-len", str(kwargs["max_model_len"]),
                "--kv-cache-memory-bytes", str(kwargs["kv_cache_memory_bytes"]),
                "--load-format", kwargs["load_format"], "--enable-prefix-caching",
+               "--max-num-seqs", str(kwargs["max_num_seqs"]),
                # vLLM will not start while less than this share of the GPU is free (5 engines share it)
                "--gpu-memory-utilization", str(SERVER_GPU_SHARE)]
     if system == "vllm native k=4":
@@ -198,7 +206,7 @@ def wait_ready(systems, timeout_s: float, pids: dict, work: Path) -> list[str]:
             elif failed:
                 pending.discard(system)
                 logs = [work / f"{log_name(system)}.log"] if system in VLLM_PORTS else \
-                    sorted(Path("/tmp/ray/session_latest/logs").glob("worker-*.err"))
+                    sorted([*Path(RAY_LOGS).glob("worker-*.err"), *Path(RAY_LOGS).glob("worker-*.out")])  # vLLM: stdout
                 log(f"{system} FAILED\n{messages}\n" + "\n".join(error_lines(logs)))
         time.sleep(3)
     if pending:
@@ -206,13 +214,13 @@ def wait_ready(systems, timeout_s: float, pids: dict, work: Path) -> list[str]:
     return ready_systems
 
 
-def error_lines(logs: list[Path], limit: int = 20) -> list[str]:
+def error_lines(logs: list[Path], limit: int = 30) -> list[str]:
     """The distinct lines that name an error in `logs`, last `limit` of them (the root cause of
     an engine that did not start is in its own process's log, not in the message above it)."""
     seen = {}
     for path in logs:
         for line in path.read_text(errors="replace").splitlines() if path.exists() else ():
-            if "Error" in line and not line.lstrip().startswith("File "):
+            if re.search(r"Error|ERROR|Exception", line) and not line.lstrip().startswith("File "):
                 seen[line.strip()] = None
     return list(seen)[-limit:]
 
@@ -245,17 +253,26 @@ def vllm_spec_counters(system: str) -> dict[str, float]:
     return counters
 
 
-def bench(args) -> dict:
+def bench(args, out: Path | None = None, clock=time.monotonic) -> dict:
+    """Every system at every stream count, `passes` times, A B .. B A. Stops measuring once
+    `bench_budget_s` has passed (a device lease is short) and writes what it has to `out` after
+    every row, so a run cut off still leaves its figures."""
     systems = [s for s in SYSTEMS if s in args.systems]
     prompts = list(PROMPTS)
     results = {"systems": systems, "max_tokens": args.max_tokens, "streams": args.streams, "passes": [],
-               "prompts": len(prompts), "load_format": args.load_format}
+               "prompts": len(prompts), "load_format": args.load_format, "max_num_seqs": args.max_num_seqs}
+    deadline = clock() + args.bench_budget_s
     for system in systems:  # warm-up: one request each (CUDA graphs, caches)
         asyncio.run(run_load(system, prompts[:1], 1, 16))
     for p in range(args.passes):
         order = systems if p % 2 == 0 else systems[::-1]  # A B .. B A
         for streams in args.streams:
             for system in order:
+                if clock() > deadline:
+                    log(f"bench budget ({args.bench_budget_s:.0f} s) spent: stopping at pass {p}")
+                    results["cut_short"] = True
+                    results["summary"] = summarize(results["passes"])
+                    return results
                 before = vllm_spec_counters(system) if system == "vllm native k=4" else {}
                 count = len(prompts) if streams > 1 else args.single_stream_prompts
                 row = asyncio.run(run_load(system, prompts[:count], streams, args.max_tokens))
@@ -267,6 +284,8 @@ def bench(args) -> dict:
                 row |= {"system": system, "streams": streams, "pass": p}
                 results["passes"].append(row)
                 log(f"pass {p} {system} x{streams}: {row['tok_s']:.1f} tok/s, TTFT {row['ttft_s'] * 1000:.0f} ms")
+                if out is not None:
+                    write_results(results | {"summary": summarize(results["passes"])}, out, quiet=True)
     results["summary"] = summarize(results["passes"])
     return results
 
@@ -411,6 +430,9 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--single-stream-prompts", type=int, default=4)
     parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--bench-budget-s", type=float, default=600,
+                        help="stop starting new measurements after this long (the results so far stay)")
     parser.add_argument("--image-freeze", help="bundle: `pip list --format=freeze` from the GPU machine")
     parser.add_argument("--python", default="python3.12", help="bundle: a local interpreter of the machine's version")
     parser.add_argument("--python-version", default="3.12")
@@ -423,20 +445,39 @@ def main(argv=None) -> None:
     elif args.action == "stop":
         stop(args)
     elif args.action == "bench":
-        write_results(bench(args), Path(args.out))
+        write_results(bench(args, Path(args.out)), Path(args.out))
     else:  # all: where each command's processes end with it
         try:
             args.systems = start(args)
-            write_results(bench(args), Path(args.out))
+            write_results(bench(args, Path(args.out)), Path(args.out))
         finally:
+            save_logs(Path(args.work), Path(args.out))
             stop(args)
 
 
-def write_results(results: dict, out: Path) -> None:
+def write_results(results: dict, out: Path, quiet: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "results.md").write_text(markdown(results))
-    print(markdown(results))
+    if not quiet:
+        print(markdown(results))
+
+
+def save_logs(work: Path, out: Path, max_file_bytes: int = 4 << 20) -> Path:
+    """Every server's log and Ray's (workers, Serve) as out/logs.tar.gz, each file's last
+    max_file_bytes: the root cause of a failure is read from them after the machine is gone."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "logs.tar.gz"
+    ray_logs = Path(RAY_LOGS)
+    files = [*sorted(work.glob("*.log")), *sorted(work.glob("*.yaml")), *sorted(ray_logs.glob("worker-*")),
+             *sorted(ray_logs.glob("serve/*.log")), *sorted(ray_logs.glob("raylet*")), *sorted(ray_logs.glob("gcs*"))]
+    with tarfile.open(path, "w:gz") as tar:
+        for file in files:
+            data = file.read_bytes()[-max_file_bytes:]
+            info = tarfile.TarInfo(f"{file.parent.name}/{file.name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
 
 
 if __name__ == "__main__":
