@@ -21,8 +21,19 @@ K = 4
 def test_only_rows_after_the_cached_prefix_are_read():
     prompt = [None, {1: -0.1}, {2: -0.2}, {3: -0.3}, {4: -0.4}]
     # context of 3 tokens, draft of 2: rows 3 and 4 predict the draft, the last row follows it
-    assert target_rows(prompt, {9: -0.9}, start=3, num_cached=2) == [{3: -0.3}, {4: -0.4}, {9: -0.9}]
-    assert target_rows(prompt, {9: -0.9}, start=3, num_cached=3) is None  # row 3 came from the cache
+    assert target_rows(prompt, {9: -0.9}, start=3, num_cached=2, num_prompt=5) == [{3: -0.3}, {4: -0.4}, {9: -0.9}]
+    assert target_rows(prompt, {9: -0.9}, start=3, num_cached=3, num_prompt=5) is None  # row 3 was cached
+
+
+def test_rows_are_read_from_the_layout_that_leaves_the_cached_prefix_out():
+    """vLLM's V2 model runner (its default on CUDA) returns no rows for cached positions: with 16
+    of 20 positions cached, [None, row 17, row 18, row 19]. Reading it as one row per position
+    took rows from the wrong places (found on an H200: a wrong token, then an IndexError)."""
+    compact = [None, {17: -0.1}, {18: -0.2}, {19: -0.3}]
+    assert target_rows(compact, {9: -0.9}, start=18, num_cached=16, num_prompt=20) == [
+        {18: -0.2}, {19: -0.3}, {9: -0.9}]
+    with pytest.raises(SpecserveError, match="neither layout"):
+        target_rows(compact[:-1], {9: -0.9}, start=18, num_cached=16, num_prompt=20)
 
 
 def test_top_n_logprobs_rebuild_the_processed_distribution_exactly_when_top_k_fits():

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import traceback
 from pathlib import Path
 
 import yaml
@@ -262,8 +263,13 @@ def bench(args, out: Path | None = None, clock=time.monotonic) -> dict:
     results = {"systems": systems, "max_tokens": args.max_tokens, "streams": args.streams, "passes": [],
                "prompts": len(prompts), "load_format": args.load_format, "max_num_seqs": args.max_num_seqs}
     deadline = clock() + args.bench_budget_s
-    for system in systems:  # warm-up: one request each (CUDA graphs, caches)
-        asyncio.run(run_load(system, prompts[:1], 1, 16))
+    for system in list(systems):  # warm-up: one request each (CUDA graphs, caches); a failure drops the system
+        try:
+            asyncio.run(run_load(system, prompts[:1], 1, 16))
+        except Exception as error:  # noqa: BLE001 - reported, and the other systems still measured
+            log(f"{system} FAILED its first request, not measured: {error!r}")
+            results.setdefault("failed", {})[system] = repr(error)
+            systems.remove(system)
     for p in range(args.passes):
         order = systems if p % 2 == 0 else systems[::-1]  # A B .. B A
         for streams in args.streams:
@@ -275,7 +281,12 @@ def bench(args, out: Path | None = None, clock=time.monotonic) -> dict:
                     return results
                 before = vllm_spec_counters(system) if system == "vllm native k=4" else {}
                 count = len(prompts) if streams > 1 else args.single_stream_prompts
-                row = asyncio.run(run_load(system, prompts[:count], streams, args.max_tokens))
+                try:
+                    row = asyncio.run(run_load(system, prompts[:count], streams, args.max_tokens))
+                except Exception as error:  # noqa: BLE001 - one system's failure loses no other's figures
+                    log(f"pass {p} {system} x{streams} FAILED: {error!r}")
+                    results.setdefault("failed", {})[f"{system} x{streams} pass {p}"] = repr(error)
+                    continue
                 if before:  # vLLM's server: tokens per speculative step from its counters
                     after = vllm_spec_counters(system)
                     drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
@@ -450,8 +461,14 @@ def main(argv=None) -> None:
         try:
             args.systems = start(args)
             write_results(bench(args, Path(args.out)), Path(args.out))
+        except BaseException:
+            traceback.print_exc()  # before `ray stop`, which ends this process (it is Ray's driver)
+            raise
         finally:
             save_logs(Path(args.work), Path(args.out))
+            import ray
+
+            ray.shutdown()
             stop(args)
 
 

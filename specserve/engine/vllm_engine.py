@@ -97,22 +97,37 @@ def score_logprobs(pool_args: dict[str, Any]) -> int:
     return int(pool_args.get("engine_kwargs", {}).get("score_logprobs", DEFAULT_SCORE_LOGPROBS))
 
 
-def target_rows(prompt_logprobs: list, last_row: dict, start: int, num_cached: int) -> list[dict[int, float]]:
-    """The target's rows for a round scored as prompt = context + draft (len(context) = start):
-    row i predicts prompt position start + i, and the last row follows the last draft token.
+def target_rows(prompt_logprobs: list, last_row: dict, start: int, num_cached: int,
+                num_prompt: int) -> list[dict[int, float]] | None:
+    """The target's rows for a round scored as prompt = context + draft (len(context) = start,
+    num_prompt = len(prompt)): row i predicts prompt position start + i, and the last row follows
+    the last draft token.
 
-    prompt_logprobs[j] ({token id: logprob}) predicts position j from the positions before it,
-    so it was computed only when position j - 1 was (j - 1 >= num_cached). Returns None when a
-    needed row was served from the prefix cache (not computed).
+    vLLM returns prompt_logprobs in one of two layouts, told apart by their length:
+    - one entry per prompt position (V1 model runner, CPU): entry j ({token id: logprob})
+      predicts position j, and entries inside the cached prefix hold no real scores;
+    - cached positions left out (V2 model runner, vLLM's default on CUDA): entry 0 is the
+      first position's None, and entry i >= 1 predicts position num_cached + i.
+    Either way a row for position j exists only when position j - 1 was computed
+    (j - 1 >= num_cached). Returns None when a needed row was served from the prefix cache.
 
-    >>> target_rows([None, {1: -0.1}, {2: -0.2}, {3: -0.3}], {4: -0.4}, start=2, num_cached=1)
+    >>> target_rows([None, {1: -0.1}, {2: -0.2}, {3: -0.3}], {4: -0.4}, start=2, num_cached=1, num_prompt=4)
     [{2: -0.2}, {3: -0.3}, {4: -0.4}]
-    >>> target_rows([None, {1: -0.1}, {2: -0.2}], {4: -0.4}, start=2, num_cached=2) is None
+    >>> target_rows([None, {2: -0.2}, {3: -0.3}], {4: -0.4}, start=2, num_cached=1, num_prompt=4)
+    [{2: -0.2}, {3: -0.3}, {4: -0.4}]
+    >>> target_rows([None, {1: -0.1}, {2: -0.2}], {4: -0.4}, start=2, num_cached=2, num_prompt=3) is None
     True
     """
     if start - 1 < num_cached:
         return None
-    return [dict(row) for row in prompt_logprobs[start:]] + [dict(last_row)]
+    if len(prompt_logprobs) == num_prompt:
+        offset = 0
+    elif len(prompt_logprobs) == num_prompt - num_cached:
+        offset = num_cached
+    else:
+        raise SpecserveError(f"vLLM returned {len(prompt_logprobs)} prompt logprob rows for a {num_prompt}-token "
+                             f"prompt with {num_cached} cached tokens: neither layout specserve reads")
+    return [dict(row) for row in prompt_logprobs[start - offset:]] + [dict(last_row)]
 
 
 def dense_logits(rows: list[dict[int, float]], vocab_size: int):
@@ -256,11 +271,11 @@ class VllmEngine:
             ids = list(request.token_ids) + list(draft.tokens)
             start = len(request.token_ids)
             out = await self._score(request.request_id, ids, read_cache=True)
-            rows = self._rows(out, start)
+            rows = self._rows(out, start, len(ids))
             if rows is None:  # a needed row came from the prefix cache: score it whole
                 self.rescored += 1
                 out = await self._score(request.request_id, ids, read_cache=False)
-                rows = self._rows(out, start)
+                rows = self._rows(out, start, len(ids))
         finally:
             self.in_flight -= 1
         result = accept(request, dense_logits(rows, self.vocab_size))
@@ -308,11 +323,11 @@ class VllmEngine:
         self.last_computed = computed
         return out
 
-    def _rows(self, out, start: int):
+    def _rows(self, out, start: int, num_prompt: int):
         [completion] = out.outputs
         last = {t: lp.logprob for t, lp in completion.logprobs[0].items()}
         prompt = [None if row is None else {t: lp.logprob for t, lp in row.items()} for row in out.prompt_logprobs]
-        return target_rows(prompt, last, start, out.num_cached_tokens or 0)
+        return target_rows(prompt, last, start, out.num_cached_tokens or 0, num_prompt)
 
     async def propose(self, request: ProposeRequest) -> Proposal:
         """A chain of request.k draft tokens (a tree request gets a chain of its depth)."""
