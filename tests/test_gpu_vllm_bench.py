@@ -125,6 +125,22 @@ def test_a_bench_past_its_budget_keeps_what_it_measured(tmp_path, monkeypatch):
     assert results["cut_short"] and len(results["passes"]) == 2  # rows at t=10 and t=20, then past 25 s
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [r["system"] for r in saved["passes"]] == ["vllm none", "specserve native k=4"]
+    assert "Cut short" in gpu_vllm.markdown(results)
+
+
+def test_a_system_that_fails_is_reported_and_the_others_still_measured(tmp_path, monkeypatch):
+    async def load(system, prompts, streams, max_tokens, transport=None):
+        if system == "specserve vllm pools k=4":
+            raise RuntimeError("HTTP 500: IndexError")
+        return {"tokens": 8, "wall_s": 1.0, "tok_s": 8.0, "ttft_s": 0.01, "tokens_per_round": None}
+
+    monkeypatch.setattr(gpu_vllm, "run_load", load)
+    args = bench_args(systems=["vllm none", "specserve vllm pools k=4"], max_tokens=8, streams=[1], passes=1,
+                      single_stream_prompts=1, bench_budget_s=600)
+    results = gpu_vllm.bench(args)
+    assert [r["system"] for r in results["passes"]] == ["vllm none"]
+    assert "HTTP 500" in results["failed"]["specserve vllm pools k=4"]
+    assert "FAILED specserve vllm pools k=4: RuntimeError('HTTP 500: IndexError')" in gpu_vllm.markdown(results)
 
 
 def test_the_logs_travel_back_as_one_archive(tmp_path, monkeypatch):

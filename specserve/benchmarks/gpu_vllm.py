@@ -334,6 +334,9 @@ def markdown(results: dict) -> str:
         ratio = f"{r['vs_vllm_native']}x" if r["vs_vllm_native"] is not None else "-"
         lines.append(f"| {r['system']} | {r['streams']} | {r['tok_s']:.1f} ({', '.join(map(str, r['tok_s_passes']))})"
                      f" | {r['ttft_ms']:.0f} | {per_round} | {ratio} |")
+    lines += [f"\nFAILED {what}: {error}" for what, error in results.get("failed", {}).items()]
+    if results.get("cut_short"):
+        lines.append("\nCut short: the bench budget ran out before every pass was measured.")
     return "\n".join(lines) + "\n"
 
 
