@@ -264,9 +264,12 @@ def bench(args, out: Path | None = None, clock=time.monotonic) -> dict:
     results = {"systems": systems, "max_tokens": args.max_tokens, "streams": args.streams, "passes": [],
                "prompts": len(prompts), "load_format": args.load_format, "max_num_seqs": args.max_num_seqs}
     deadline = clock() + args.bench_budget_s
-    for system in list(systems):  # warm-up: one request each (CUDA graphs, caches); a failure drops the system
+    # warm-up at every stream count (CUDA graphs, caches, kernels JIT-compiled for the batch
+    # shapes each count makes); a failure drops the system
+    for system in list(systems):
         try:
-            asyncio.run(run_load(system, prompts[:1], 1, 16))
+            for streams in args.streams:
+                asyncio.run(run_load(system, prompts[:streams], streams, 16))
         except Exception as error:  # noqa: BLE001 - reported, and the other systems still measured
             log(f"{system} FAILED its first request, not measured: {error!r}")
             results.setdefault("failed", {})[system] = repr(error)
