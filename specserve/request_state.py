@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specserve.policy import AcceptanceTracker, Decision, LoadModel, SpeculationPolicy
 from specserve.protocol import (
@@ -217,6 +217,12 @@ class RequestState:
                                  propose_next=propose_next)
         return VerifyRequest(self.request_id, self.token_ids, self.params, seed, proposal.tree, proposal.law,
                              proposal.dists, typical=typical, propose_next=propose_next)
+
+    def stream_request(self) -> VerifyRequest:
+        """The rest of the generation as one request, for a target that speculates itself
+        (native mode): max_tokens is the room left."""
+        params = replace(self.params, max_tokens=self.room())
+        return VerifyRequest(self.request_id, self.token_ids, params, self.rng.getrandbits(63))
 
     def usage_stats(self) -> dict:
         """`usage.speculation`: the counters plus what produced them. A lossy acceptance is

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import BASE, SMOL
-from specserve.engine.vllm_engine import NATIVE_ROUND_TOKENS, accept, dense_logits, engine_args, target_rows
+from specserve.engine.vllm_engine import accept, dense_logits, engine_args, target_rows
 from specserve.protocol import SamplingParams, SpecserveError, TokenTree, VerifyRequest
 from specserve.serve.config import PoolArgs
 
@@ -384,14 +384,21 @@ def test_native_mode_serves_greedy_exactly_through_the_same_api(native_app, vllm
     assert got.status_code == 200, got.text
     body = got.json()
     assert body["choices"][0]["text"] == want and body["usage"]["completion_tokens"] == 40
-    # a first round of one token (the prompt's prefill: the first token streams at once), then rounds of 16
-    assert body["usage"]["speculation"]["target_steps"] == 1 + math.ceil(39 / NATIVE_ROUND_TOKENS)
+    # one vLLM request, its steps streamed: a round per step, each 1 to K + 1 tokens
+    assert math.ceil(40 / (K + 1)) <= body["usage"]["speculation"]["target_steps"] < 40
     streamed = httpx.post(f"{native_app}/v1/completions", timeout=300, json={
         "model": "smol", "prompt": prompt, "temperature": 0, "max_tokens": 40, "ignore_eos": True, "stream": True})
     chunks = [line for line in streamed.text.splitlines() if line.startswith("data: {")]
     import json
 
     assert "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks) == want
+    assert len(chunks) >= math.ceil(40 / (K + 1))  # streamed step by step, not in one piece at the end
+    # a stop string ends the generation (and closes vLLM's request) mid-stream, where it starts
+    stop = want[len(want) // 2:][:6]
+    cut = complete(native_app, {"prompt": prompt, "temperature": 0, "max_tokens": 40, "ignore_eos": True, "stop": [stop]})
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["choices"][0]["text"] == want[:want.index(stop)]
+    assert cut.json()["choices"][0]["finish_reason"] == "stop"
     refused = complete(native_app, {"prompt": "Hello", "temperature": 0.8, "top_k": 5})
     assert refused.status_code == 400 and "native" in refused.json()["error"]["message"]
     from ray import serve

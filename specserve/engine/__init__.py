@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from specserve.protocol import (
@@ -61,6 +62,10 @@ class Engine(Protocol):
     def info(self) -> EngineInfo: ...
 
     async def verify(self, request: VerifyRequest) -> VerifyResult: ...
+
+    # Engines that speculate themselves (info().native) stream the rest of a generation
+    # instead of verifying drafts: one result per step, as it comes.
+    def verify_stream(self, request: VerifyRequest) -> AsyncIterator[VerifyResult]: ...
 
     async def propose(self, request: ProposeRequest) -> Proposal: ...
 

@@ -151,6 +151,9 @@ class TorchEngine:
             raise SpecserveError("this pool proposes; it does not verify")
         return await self.batcher.submit(request)
 
+    def verify_stream(self, request: VerifyRequest):
+        raise SpecserveError("engine torch does not speculate itself (native mode is vLLM's): it verifies drafts")
+
     async def propose(self, request: ProposeRequest) -> Proposal:
         if self.proposer is None:
             raise SpecserveError("this pool verifies; it does not propose")

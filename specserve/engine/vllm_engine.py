@@ -25,10 +25,10 @@ processed_logprobs, top-N, which hold every token top-k keeps) travel with them 
 
 Native mode (`speculation.proposer: native`, `engine_kwargs.speculative_config`): vLLM runs its
 own speculative decoding (draft_model, eagle, medusa, ngram; `num_speculative_tokens_per_batch_size`
-for load) inside the target pool, and each round returns up to NATIVE_ROUND_TOKENS tokens
-behind the same router, API and failover (a request's first round asks for one token, so its
-first token streams at once). Greedy only: vLLM's sampled speculative path is not
-checked here (DESIGN.md), so sampled requests get a 400.
+for load) inside the target pool behind the same router, API and failover: one vLLM request
+per generation, its outputs streamed to the router as they come (`verify_stream`). Greedy
+only: vLLM's sampled speculative path is not checked here (DESIGN.md), so sampled requests get
+a 400.
 
 vLLM is imported only inside this module's engine class (the router and the controller never
 import it). Tensor parallelism comes from `engine_kwargs.tensor_parallel_size`; with more than
@@ -40,7 +40,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections import OrderedDict
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -53,8 +53,6 @@ from specserve.protocol import (
 )
 
 DEFAULT_SCORE_LOGPROBS = 20  # top-N logprobs per row: sampling is exact for top_k <= N
-NATIVE_ROUND_TOKENS = 16  # native mode: tokens one round asks vLLM for (its own speculation inside)
-NATIVE_REQUESTS_REMEMBERED = 4096  # native mode: request ids whose first round has run (LRU)
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a whole GPU's memory
 SPECSERVE_KWARGS = ("score_logprobs",)  # engine_kwargs specserve reads; the rest go to AsyncEngineArgs
 
@@ -94,18 +92,6 @@ def engine_args(pool_args: dict[str, Any], model_path: str, role: str = "target"
     if role == "draft":  # a draft reports the distributions it sampled from: after temperature, top-k, top-p
         args["logprobs_mode"] = "processed_logprobs"
     return args | extra
-
-
-def native_round_tokens(first_round: bool, max_tokens: int) -> int:
-    """Tokens a native round asks vLLM for: one in a request's first round (its prompt's prefill,
-    so the first token streams as soon as it exists, as from vLLM's own server; a first round of
-    NATIVE_ROUND_TOKENS held it back for 16 tokens: TTFT 108 ms against vLLM's 34 on an H200),
-    then NATIVE_ROUND_TOKENS (fewer rounds, each a new vLLM request).
-
-    >>> native_round_tokens(True, 128), native_round_tokens(False, 128), native_round_tokens(False, 5)
-    (1, 16, 5)
-    """
-    return min(1 if first_round else NATIVE_ROUND_TOKENS, max_tokens)
 
 
 def score_logprobs(pool_args: dict[str, Any]) -> int:
@@ -222,7 +208,6 @@ class VllmEngine:
             vocabulary=vocabulary_fingerprint(pool_args["model"]), trees=False, hidden_states=False,
             proposes=role == "draft", sampled_top_k_max=0 if self.native else self.top_n, native=self.native)
         self._calls = itertools.count()
-        self._native_started: OrderedDict[str, None] = OrderedDict()  # native: requests past their first round
         self.in_flight = 0
         self.rounds = 0
         self.computed_tokens = 0  # prompt tokens vLLM computed (not served from its prefix cache)
@@ -265,11 +250,10 @@ class VllmEngine:
     def info(self) -> EngineInfo:
         return self._info
 
-    async def verify(self, request: VerifyRequest) -> VerifyResult:
-        draft = request.draft
+    def _check_verifiable(self, request: VerifyRequest) -> None:
         if self.role != "target":
             raise SpecserveError("this pool proposes; it does not verify")
-        if not draft.is_chain:
+        if not request.draft.is_chain:
             raise SpecserveError("engine vllm verifies chains only; send the tree as a chain (the router does)")
         if request.typical is not None or request.propose_next is not None:
             raise SpecserveError("engine vllm runs exact acceptance without heads (no typical acceptance, "
@@ -277,10 +261,12 @@ class VllmEngine:
         refusal = sampling_refusal(self._info, request.params)
         if refusal is not None:
             raise SpecserveError(refusal)
+
+    async def verify(self, request: VerifyRequest) -> VerifyResult:
+        draft = request.draft
+        self._check_verifiable(request)
         if self.native is not None:
-            if len(draft):
-                raise SpecserveError("this target pool speculates itself (native); it takes no drafts")
-            return await self._native_round(request)
+            raise SpecserveError("this target pool speculates itself (native): its results stream (verify_stream)")
         started = time.perf_counter()
         self.in_flight += 1
         try:
@@ -301,33 +287,42 @@ class VllmEngine:
         result.compute_s, result.load = seconds, self._load
         return result
 
-    async def _native_round(self, request: VerifyRequest) -> VerifyResult:
-        """Up to NATIVE_ROUND_TOKENS greedy tokens from vLLM's own speculative decoding."""
+    async def verify_stream(self, request: VerifyRequest) -> AsyncIterator[VerifyResult]:
+        """Native mode: the rest of the request's generation from vLLM's own speculative decoding
+        (greedy, request.params.max_tokens tokens: the router sends the room left), one result
+        per vLLM output (a step's accepted tokens and its bonus token) as it comes. One vLLM
+        request serves the whole generation, and its first token streams as soon as it exists.
+        vLLM stops at the request's EOS and stop ids as specserve reports them (`info`), not at
+        its own idea of EOS; closing the stream aborts the vLLM request."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-        started = time.perf_counter()
-        first_round = request.request_id not in self._native_started
-        self._native_started[request.request_id] = None
-        self._native_started.move_to_end(request.request_id)
-        while len(self._native_started) > NATIVE_REQUESTS_REMEMBERED:
-            self._native_started.popitem(last=False)
-        params = SamplingParams(max_tokens=native_round_tokens(first_round, request.params.max_tokens), temperature=0.0,
-                                ignore_eos=request.params.ignore_eos, detokenize=False,
-                                stop_token_ids=list(request.params.stop_token_ids))
+        self._check_verifiable(request)
+        if self.native is None:
+            raise SpecserveError("only a native-mode target pool streams a generation; this one verifies drafts")
+        if len(request.draft):
+            raise SpecserveError("this target pool speculates itself (native); it takes no drafts")
+        params = request.params
+        stop_ids = (() if params.ignore_eos else self._info.eos_token_ids) + tuple(params.stop_token_ids)
+        vllm_params = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=True,
+                                     stop_token_ids=list(stop_ids), detokenize=False,
+                                     output_kind=RequestOutputKind.DELTA)
         self.in_flight += 1
         try:
-            out = None
-            async for out in self.llm.generate({"prompt_token_ids": list(request.token_ids)}, params,
+            last = time.perf_counter()
+            async for out in self.llm.generate({"prompt_token_ids": list(request.token_ids)}, vllm_params,
                                                f"{request.request_id}-native-{next(self._calls)}"):
-                pass
+                tokens = list(out.outputs[0].token_ids)
+                if not tokens:
+                    continue
+                now = time.perf_counter()
+                seconds, last = now - last, now
+                self.rounds += 1
+                self._busy_s += seconds
+                self._load = PoolLoad(self.in_flight, 1.0, 0, seconds / len(tokens), len(tokens))
+                yield VerifyResult(request.request_id, len(tokens) - 1, tokens, compute_s=seconds, load=self._load)
         finally:
             self.in_flight -= 1
-        tokens = list(out.outputs[0].token_ids)
-        seconds = time.perf_counter() - started
-        self.rounds += 1
-        self._busy_s += seconds
-        self._load = PoolLoad(self.in_flight + 1, 1.0, 0, seconds / max(1, len(tokens)), max(1, len(tokens)))
-        return VerifyResult(request.request_id, len(tokens) - 1, tokens, compute_s=seconds, load=self._load)
 
     async def _score(self, request_id: str, ids: list[int], *, read_cache: bool):
         from vllm import SamplingParams
@@ -382,7 +377,6 @@ class VllmEngine:
                         compute_s=seconds, load=self._load)
 
     async def release(self, request_id: str) -> bool:
-        self._native_started.pop(request_id, None)
         return False  # vLLM owns its prefix cache; a finished round holds nothing of the request
 
     async def stats(self) -> dict:

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from typing import Any, Callable
 
 from ray import serve
@@ -132,6 +133,17 @@ class _Verifying(_Pool):
 
     async def verify(self, request: VerifyRequest) -> VerifyResult:
         return await self._call(request.request_id, self.engine.verify(request))
+
+    async def verify_stream(self, request: VerifyRequest) -> AsyncIterator[VerifyResult]:
+        """Native mode: the rest of the request's generation as the engine makes it (a Serve
+        streaming call: `handle.options(stream=True)`)."""
+        self._last_call[request.request_id] = time.monotonic()
+        try:
+            async for result in self.engine.verify_stream(request):
+                self._last_call[request.request_id] = time.monotonic()
+                yield result
+        finally:
+            self._last_call[request.request_id] = time.monotonic()
 
     async def model_info(self) -> dict:
         info = self.engine.info()

@@ -35,7 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specserve.engine import adapt_speculation, sampling_refusal
 from specserve.policy import LoadModel, MeasuredModes, PrefillWatch, SpeculationPolicy
 from specserve.protocol import (
-    DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, VerifyRequest, VerifyResult,
+    DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, TokenTree, VerifyRequest,
+    VerifyResult,
 )
 from specserve.proposers.ngram import NgramProposer
 from specserve.request_state import RequestState
@@ -223,6 +224,14 @@ class Router(GrpcApi):
         prefill = True  # the first round prefills the prompt: its wait is not a round's overhead
         mark = None
         try:
+            if state.speculation.proposer == "native":  # the target speculates itself: its results stream
+                native = self._native_rounds(state, deadline)
+                try:
+                    async for emitted in native:
+                        yield emitted
+                finally:
+                    await native.aclose()  # now, not when collected: it closes the pool's stream
+                return
             while not state.finished:
                 started = time.perf_counter()
                 mark = self.prefills.start(prefill)
@@ -268,6 +277,38 @@ class Router(GrpcApi):
                 self.prefills.end(mark)
             self.in_rounds -= 1
             self._release(state)
+
+    async def _native_rounds(self, state: RequestState, deadline: float | None) -> AsyncIterator[list[int]]:
+        """Native mode: one streaming call for the rest of the generation, each of the target's
+        results (a vLLM step's tokens) a round. A replica lost mid-stream is retried as a round
+        is: a new stream from the tokens committed so far."""
+        retry_until, attempt = None, 0
+        while not state.finished:
+            stream = self.target.options(stream=True).verify_stream.remote(state.stream_request())
+            try:
+                while not state.finished:
+                    try:
+                        result = await self._before(deadline, state, stream.__anext__())
+                    except StopAsyncIteration:
+                        raise SpecserveError("the target pool's stream ended before the generation did") from None
+                    retry_until, attempt = None, 0
+                    counts = SpecCounts.of(state.stats)
+                    emitted = state.commit(result, TokenTree())
+                    self.metrics.round("native", counts, SpecCounts.of(state.stats))
+                    if result.load is not None:
+                        self.metrics.pool_load("target", result.load)
+                    state.finish_at_stop_string(self.codec.decode)
+                    yield emitted
+            except RETRYABLE as exc:
+                retry_until = retry_until or time.monotonic() + self.args.router.target_retry_timeout_s
+                attempt += 1
+                if time.monotonic() > retry_until:
+                    raise
+                logger.warning("target replica lost (%s); restarting the stream, attempt %d", type(exc).__name__,
+                               attempt)
+                await asyncio.sleep(min(0.2 * attempt, 2.0))
+            finally:
+                stream.cancel()  # finished early (a stop string), a deadline, a disconnect: vLLM stops too
 
     def _observe_load(self, result: VerifyResult, proposal: Proposal | None, draft_call: bool,
                       overhead_s: float | None) -> None:
