@@ -18,8 +18,8 @@ router and the Serve controller validate with it.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, replace
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from specserve.protocol import (

@@ -176,10 +176,16 @@ class Router(GrpcApi):
                 return await self.target.verify.remote(request)
             except RETRYABLE as exc:
                 attempt += 1
-                if time.monotonic() > deadline:
-                    raise
-                logger.warning("target replica lost (%s); retrying round, attempt %d", type(exc).__name__, attempt)
-                await asyncio.sleep(min(0.2 * attempt, 2.0))
+                await self._after_lost_target(exc, attempt, deadline, "retrying round")
+
+    @staticmethod
+    async def _after_lost_target(exc: BaseException, attempt: int, retry_until: float, what: str) -> None:
+        """A target replica was lost: re-raise once retry_until has passed, else wait (longer at
+        each attempt) before the caller tries again."""
+        if time.monotonic() > retry_until:
+            raise exc
+        logger.warning("target replica lost (%s); %s, attempt %d", type(exc).__name__, what, attempt)
+        await asyncio.sleep(min(0.2 * attempt, 2.0))
 
     def _release(self, state: RequestState) -> None:
         """Free the request's caches in both pools (once; later calls do nothing)."""
@@ -302,11 +308,7 @@ class Router(GrpcApi):
             except RETRYABLE as exc:
                 retry_until = retry_until or time.monotonic() + self.args.router.target_retry_timeout_s
                 attempt += 1
-                if time.monotonic() > retry_until:
-                    raise
-                logger.warning("target replica lost (%s); restarting the stream, attempt %d", type(exc).__name__,
-                               attempt)
-                await asyncio.sleep(min(0.2 * attempt, 2.0))
+                await self._after_lost_target(exc, attempt, retry_until, "restarting the stream")
             finally:
                 stream.cancel()  # finished early (a stop string), a deadline, a disconnect: vLLM stops too
 
