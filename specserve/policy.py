@@ -508,11 +508,14 @@ class SpeculationPolicy:
 
 @dataclass
 class _ModeGoodput:
-    """Per mode, the EMA of the goodput measured in its epochs (None until measured)."""
+    """Per mode, the EMA of the goodput measured in its epochs (None until measured), and when
+    the level explores next."""
 
     model: float | None = None
     off: float | None = None
     epochs: int = 0
+    explore_every: int = 0  # epochs between explorations now (0: not yet set)
+    next_explore: int = 0  # the epoch count at which the next exploration runs
 
 
 @dataclass
@@ -530,8 +533,15 @@ class MeasuredModes:
     ended within two epochs). Only requests the policy steers take part: a request with a fixed
     setting neither follows an epoch's mode nor counts in its goodput, so measuring it would
     credit both modes with the same tokens. The next epoch runs the better
-    mode (switching only for more than `hysteresis`), and every `explore_every`-th epoch at a
-    level runs the other one so both estimates stay current. Below `min_in_flight` requests the
+    mode (switching only for more than `hysteresis`), and now and then an epoch at a level runs
+    the other one so both estimates stay current: first after `explore_every` epochs, then each
+    exploration that confirms the better mode (the other still behind by more than `hysteresis`)
+    doubles the wait before the next, up to `max_explore_every`; one that does not resets it.
+    Exploring is not free: on a CPU an epoch of the model after epochs off had every request
+    owe its draft pool a catch-up of all it emitted meanwhile, a burst of draft prefills that
+    desynchronised the requests' rounds (target passes of 4 calls where there had been 8) for
+    seconds after the epoch ended; at 8-16 streams, exploring every 5th epoch kept adaptive at
+    0.87-0.94x of always off though it ran off in 70-98% of rounds. Below `min_in_flight` requests the
     model alone decides: a lone request has no other requests' costs it cannot see, and at 2
     requests an epoch's goodput measures noise (code at 2 streams, the same load in either mode:
     epochs of 4.5 to 10.6 tok/s, swung by whether a prompt's prefill fell in them) and an off
@@ -547,7 +557,8 @@ class MeasuredModes:
     """
 
     epoch_s: float = 4.0
-    explore_every: int = 5
+    explore_every: int = 5  # epochs before a level's first exploration (then backing off)
+    max_explore_every: int = 40
     hysteresis: float = 0.05
     weight: float = 0.3  # an epoch's weight in its mode's EMA
     min_in_flight: int = 3
@@ -556,6 +567,7 @@ class MeasuredModes:
     _started: float | None = None
     _level: int | None = None
     _tokens: int = 0
+    _exploring: bool = False  # the running epoch runs the mode its level measured worse
 
     @staticmethod
     def level(in_flight: int) -> int:
@@ -585,11 +597,12 @@ class MeasuredModes:
         if ended:
             self._close(now, level)  # measures only an epoch that stayed at its level
         if self._started is None or ended or level != self._level:  # (the load moved mid-epoch: a new one)
-            self._start(now, level, "model" if level == 0 else self._next(level))
+            self._start(now, level, *(("model", False) if level == 0 else self._next(level)))
         return self.current
 
-    def _start(self, now: float, level: int, mode: str) -> None:
+    def _start(self, now: float, level: int, mode: str, exploring: bool) -> None:
         self._started, self._level, self.current, self._tokens = now, level, mode, 0
+        self._exploring = exploring
 
     def _close(self, now: float, level: int) -> None:
         # an epoch no round closed in time (idle, or only requests the policy does not steer)
@@ -600,19 +613,27 @@ class MeasuredModes:
             last = getattr(measured, self.current)
             setattr(measured, self.current, goodput if last is None else last + self.weight * (goodput - last))
             measured.epochs += 1
+            if self._exploring:  # back off while explorations confirm the better mode
+                confirmed = self._clearly_better(measured, "off" if self.current == "model" else "model")
+                measured.explore_every = (min(2 * measured.explore_every, self.max_explore_every) if confirmed
+                                          else self.explore_every)
+                measured.next_explore = measured.epochs + measured.explore_every
 
-    def _next(self, level: int) -> str:
+    def _clearly_better(self, measured: _ModeGoodput, mode: str) -> bool:
+        """Whether `mode` measured more than `hysteresis` above the other mode."""
+        mine, other = (measured.model, measured.off) if mode == "model" else (measured.off, measured.model)
+        return mine is not None and other is not None and mine > other * (1 + self.hysteresis)
+
+    def _next(self, level: int) -> tuple[str, bool]:
+        """The mode of the next epoch at `level`, and whether it explores."""
         measured = self.levels.setdefault(level, _ModeGoodput())
         if measured.model is None:
-            return "model"
+            return "model", False
         if measured.off is None:
-            return "off"
-        if measured.off > measured.model * (1 + self.hysteresis):
-            best = "off"
-        elif measured.model > measured.off * (1 + self.hysteresis):
-            best = "model"
-        else:
-            best = self.current
-        if measured.epochs % self.explore_every == 0:
-            return "off" if best == "model" else "model"
-        return best
+            return "off", False
+        if not measured.explore_every:  # both measured once: the first exploration after explore_every
+            measured.explore_every = measured.next_explore = self.explore_every
+        best = next((mode for mode in ("off", "model") if self._clearly_better(measured, mode)), self.current)
+        if measured.epochs >= measured.next_explore:
+            return ("off" if best == "model" else "model"), True
+        return best, False

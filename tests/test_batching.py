@@ -148,3 +148,34 @@ def test_a_finished_request_is_not_waited_for():
 
     asyncio.run(scenario())
     assert waits == [0]  # b's pass did not wait for "a"
+
+
+def _streams_after_drafting_rounds() -> list[list[int]]:
+    """Four streams in two phases whose first 3 rounds each went to a draft pool (0.3 s away),
+    then come straight back (10 ms), as adaptive speculation turning off does."""
+    batches = []
+
+    def run(items):
+        batches.append(sorted(items))
+        time.sleep(0.04)
+        return items
+
+    async def stream(batcher, name, start):
+        await asyncio.sleep(start)
+        for round_ in range(14):
+            await batcher.submit(name)
+            await asyncio.sleep(0.3 if round_ < 3 else 0.01)
+
+    async def scenario():
+        batcher = ContinuousBatcher(run, max_batch_size=8, key=lambda item: item, join_fraction=0.75)
+        await asyncio.gather(*(stream(batcher, n, 0.0 if n < 2 else 0.02) for n in range(4)))
+
+    asyncio.run(scenario())
+    return batches
+
+
+def test_streams_that_stop_drafting_rejoin_one_pass_at_once():
+    """Their usual (EMA) return time still says 0.3 s for several rounds; their last return says
+    10 ms, so the next pass waits for them and the two halves run as one."""
+    batches = _streams_after_drafting_rounds()
+    assert sum(len(b) == 4 for b in batches[-8:]) >= 6

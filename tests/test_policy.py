@@ -358,6 +358,20 @@ def test_measured_goodput_keeps_the_model_where_speculation_wins_and_does_not_fl
     assert all(b - a > 1 for a, b in zip(off, off[1:]))  # never two off epochs in a row
 
 
+def test_explorations_back_off_while_they_confirm_the_better_mode_and_follow_a_change():
+    """Each exploration of the worse mode costs (on a CPU, the draft pool's catch-up burst), so
+    while explorations keep confirming off, they come ever more rarely; when speculation starts
+    winning at that load, the next exploration finds it and the model runs again."""
+    modes = MeasuredModes(epoch_s=2.0)
+    run = [mode for _, mode in run_modes(modes, [(8, 20, 26)] * 80 + [(8, 30, 20)] * 80, random.Random(5))]
+    explored = [i for i, mode in enumerate(run[:80]) if mode == "model"][1:]  # after the first measurement
+    assert 3 <= len(explored) <= 5  # every 5th epoch would be 15
+    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > 2 * gaps[0]  # ever more rarely
+    assert run[-20:].count("model") >= 16  # speculation wins now: found, and kept
+    assert modes.levels[MeasuredModes.level(8)].explore_every <= modes.max_explore_every
+
+
 def test_an_epoch_whose_load_changed_measures_nothing():
     modes = MeasuredModes(epoch_s=1.0)
     assert modes.mode(0.0, 8) == "model"
