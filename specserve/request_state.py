@@ -160,12 +160,20 @@ class RequestState:
         return self.speculation.adaptive and not self.pinned_depth
 
     def plan_round(self, policy: SpeculationPolicy, load: LoadModel, batch: float | None = None,
-                   measured_off: bool = False, probe_from_off: bool = True) -> Decision | None:
+                   measured_off: bool = False, measured_level: bool = False) -> Decision | None:
         """Adaptive speculation: let the policy set this round's depth (0 = off) from the
-        request's acceptance and the pools' load; `measured_off`: the router measured that, at
-        this load, speculation off gives more (MeasuredModes), so this round does not speculate;
-        `probe_from_off=False`: the router's measured epochs explore at this load instead of
-        probes from off. Fixed speculation: nothing to decide."""
+        request's acceptance and the pools' load. `measured_level`: at this load the router's
+        measured epochs (MeasuredModes) decide whether requests speculate, so the model does not
+        probe from off, and with a draft pool it picks a depth of at least 1 (see below);
+        `measured_off`: this epoch runs speculation off. Fixed speculation: nothing to decide.
+
+        Why a depth of at least 1 there: requests of one epoch that each turned a draft pool on
+        or off by their own estimate ran worse than all on or all off (code at 8 and 16 streams
+        on a 2-core CPU: 58 s and 96 s of decoding against always on's 47 s and 70 s and always
+        off's 45 s and 81 s). Requests that skip the draft pool come back to the target sooner,
+        the target's passes split into waves, and each request turned back on owes the draft pool
+        a catch-up prefill. Heads and n-gram lookup have neither cost: there the model still
+        turns single requests off."""
         spec = self.speculation
         if not self.adaptive:
             return None
@@ -177,7 +185,8 @@ class RequestState:
         else:
             decision = policy.choose(self.acceptance, load, current=current, max_k=spec.depth, batch=batch,
                                      draft_cost=spec.draft_cost, catch_up=len(self.token_ids) - self.draft_synced,
-                                     room=self.room(), probe_from_off=probe_from_off)
+                                     room=self.room(), probe_from_off=not measured_level,
+                                     min_k=1 if measured_level and spec.draft_cost == "pool" else 0)
         self.policy_k = decision.k
         self.stats.policy_decisions[decision.reason] = self.stats.policy_decisions.get(decision.reason, 0) + 1
         if decision.k == 0:

@@ -415,6 +415,24 @@ def test_the_router_s_measured_off_turns_an_adaptive_request_off_but_not_an_expl
     assert fixed.plan_round(policy, load, batch=1, measured_off=True) is None and fixed.round_k() == 4
 
 
+def test_where_epochs_measure_the_modes_the_model_does_not_turn_a_draft_pool_request_off():
+    """There whether to speculate is the measured epochs' call, for every steered request at
+    once, and the model picks how deep: requests that each turned the draft pool on or off
+    split the target's passes into waves and owed it catch-ups (see RequestState.plan_round).
+    Heads have neither cost: there the model still turns a request off."""
+    policy, load = SpeculationPolicy(), loaded_model(random.Random(5))
+    for proposer, co_located in (("draft", False), ("medusa", True)):
+        state = _state(Speculation(proposer=proposer, k=4, policy="adaptive"))
+        state.acceptance = measured(0.3)
+        assert state.plan_round(policy, load, batch=64).k == 0  # saturated: the model says off
+        decision = state.plan_round(policy, load, batch=64, measured_level=True)
+        if co_located:
+            assert decision.k == 0
+        else:
+            assert decision.k == max(range(1, 5), key=decision.goodput.get) and decision.reason == "model"
+        assert state.plan_round(policy, load, batch=64, measured_off=True, measured_level=True).k == 0
+
+
 def test_a_request_turned_off_by_an_unlucky_estimate_comes_back():
     """Drafts are accepted 80% of the time, but the deployment's estimate says 10% (what a
     stretch of bad prompts left): at batch 1 the model turns speculation off. Off, nothing is

@@ -247,7 +247,7 @@ class Router(GrpcApi):
                 if self.trace is not None:  # what the draft pool has not seen, before this round's call
                     catch_up = len(state.prompt_ids) + len(state.output_ids) - state.draft_synced
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off",
-                                            probe_from_off=not self.modes.measures(self.in_rounds))
+                                            measured_level=self.modes.measures(self.in_rounds))
                 draft_call = state.needs_proposer and state.speculation.draft_cost == "pool"
                 if state.needs_proposer:  # a draft pool's round, or prompt lookup
                     proposal = await self._before(deadline, state, self._propose(state.propose_request(),
