@@ -97,10 +97,10 @@ def test_plan_prefill_chunks_bounds_the_prompt_tokens_of_a_pass():
         assert computed <= 256
 
 
-def _phase_split_streams(join_fraction: float) -> list[list[int]]:
-    """Four streams whose callers take 20 ms between an answer and their next call, started
-    so that two of them arrive during the first pass: without joining, passes alternate
-    between the two halves for good."""
+def _two_phase_streams(join_fraction: float, trips: list[float], second_half_at: float) -> list[list[int]]:
+    """Four streams, the last two started `second_half_at` s after the first two, each making
+    one call per entry of `trips` and then waiting that long (the router's round trip) before
+    the next; passes take 40 ms. Returns each pass's calls."""
     batches = []
 
     def run(items):
@@ -110,16 +110,22 @@ def _phase_split_streams(join_fraction: float) -> list[list[int]]:
 
     async def stream(batcher, name, start):
         await asyncio.sleep(start)
-        for _ in range(8):
+        for trip in trips:
             await batcher.submit(name)
-            await asyncio.sleep(0.02)  # the router's round trip
+            await asyncio.sleep(trip)
 
     async def scenario():
         batcher = ContinuousBatcher(run, max_batch_size=8, key=lambda item: item, join_fraction=join_fraction)
-        await asyncio.gather(*(stream(batcher, n, 0.0 if n < 2 else 0.01) for n in range(4)))
+        await asyncio.gather(*(stream(batcher, n, 0.0 if n < 2 else second_half_at) for n in range(4)))
 
     asyncio.run(scenario())
     return batches
+
+
+def _phase_split_streams(join_fraction: float) -> list[list[int]]:
+    """Round trips of 20 ms, two streams arriving during the first pass: without joining,
+    passes alternate between the two halves for good."""
+    return _two_phase_streams(join_fraction, [0.02] * 8, second_half_at=0.01)
 
 
 def test_streams_in_alternating_phases_are_joined_into_full_passes():
@@ -151,27 +157,9 @@ def test_a_finished_request_is_not_waited_for():
 
 
 def _streams_after_drafting_rounds() -> list[list[int]]:
-    """Four streams in two phases whose first 3 rounds each went to a draft pool (0.3 s away),
-    then come straight back (10 ms), as adaptive speculation turning off does."""
-    batches = []
-
-    def run(items):
-        batches.append(sorted(items))
-        time.sleep(0.04)
-        return items
-
-    async def stream(batcher, name, start):
-        await asyncio.sleep(start)
-        for round_ in range(14):
-            await batcher.submit(name)
-            await asyncio.sleep(0.3 if round_ < 3 else 0.01)
-
-    async def scenario():
-        batcher = ContinuousBatcher(run, max_batch_size=8, key=lambda item: item, join_fraction=0.75)
-        await asyncio.gather(*(stream(batcher, n, 0.0 if n < 2 else 0.02) for n in range(4)))
-
-    asyncio.run(scenario())
-    return batches
+    """Two halves whose first 3 round trips went to a draft pool (0.3 s away), then come
+    straight back (10 ms), as adaptive speculation turning off does."""
+    return _two_phase_streams(0.75, [0.3] * 3 + [0.01] * 11, second_half_at=0.02)
 
 
 def test_streams_that_stop_drafting_rejoin_one_pass_at_once():
