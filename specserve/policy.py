@@ -515,8 +515,8 @@ class _ModeGoodput:
     model: float | None = None
     off: float | None = None
     epochs: int = 0
-    explore_every: int = 0  # epochs between explorations now (0: not yet set)
-    next_explore: int = 0  # the epoch count at which the next exploration runs
+    explore_every: int = 5  # epochs between explorations now
+    next_explore: int = 5  # the epoch count at which the next exploration runs
 
 
 @dataclass
@@ -612,7 +612,7 @@ class MeasuredModes:
         # measured something else
         if self._level == level and self._level > 0 and now - self._started <= 2 * self.epoch_s:
             goodput = self._tokens / max(now - self._started, 1e-9)
-            measured = self.levels.setdefault(level, _ModeGoodput())
+            measured = self._measured(level)
             last = getattr(measured, self.current)
             setattr(measured, self.current, goodput if last is None else last + self.weight * (goodput - last))
             measured.epochs += 1
@@ -622,6 +622,10 @@ class MeasuredModes:
                                           else self.explore_every)
                 measured.next_explore = measured.epochs + measured.explore_every
 
+    def _measured(self, level: int) -> _ModeGoodput:
+        return self.levels.setdefault(level, _ModeGoodput(explore_every=self.explore_every,
+                                                          next_explore=self.explore_every))
+
     def _clearly_better(self, measured: _ModeGoodput, mode: str) -> bool:
         """Whether `mode` measured more than `hysteresis` above the other mode."""
         mine, other = (measured.model, measured.off) if mode == "model" else (measured.off, measured.model)
@@ -629,13 +633,11 @@ class MeasuredModes:
 
     def _next(self, level: int) -> tuple[str, bool]:
         """The mode of the next epoch at `level`, and whether it explores."""
-        measured = self.levels.setdefault(level, _ModeGoodput())
+        measured = self._measured(level)
         if measured.model is None:
             return "model", False
         if measured.off is None:
             return "off", False
-        if not measured.explore_every:  # both measured once: the first exploration after explore_every
-            measured.explore_every = measured.next_explore = self.explore_every
         best = next((mode for mode in ("off", "model") if self._clearly_better(measured, mode)), self.current)
         if measured.epochs >= measured.next_explore:
             return ("off" if best == "model" else "model"), True
