@@ -305,17 +305,49 @@ def test_malformed_json_and_bad_chat_bodies(app):
 
 
 def test_overload_gets_503_not_a_hang(app):
-    async def burst():
-        async with httpx.AsyncClient(timeout=300) as http:
-            return await asyncio.gather(*[
-                http.post(f"{BASE}/v1/completions", json={"model": "smol", "prompt": f"Count to {i}:",
-                                                          "max_tokens": 64, "temperature": 0})
-                for i in range(24)])  # long enough that the first 12 are still running when the last arrive
+    """8 live streams fill the router's 8 slots; then 4 calls wait in its queue of 4 and the rest
+    are refused with 503 at once; when the streams end, the queued calls are served. Calls go
+    one at a time: Serve counts a call as queued until a router replica takes it, so a burst
+    arriving all at once is refused before the slots fill (the README says so)."""
+    body = {"model": "smol", "max_tokens": 4, "temperature": 0}
 
-    statuses = [r.status_code for r in asyncio.run(burst())]
-    assert set(statuses) <= {200, 503}
-    # 8 ongoing + 4 queued at most, so about 12 are refused, less those that arrive after some
-    # of the first finished: how many depends on the CPU's load (7 of 24 in one CI run, so a
-    # bound of 8 flaked); the test is that the overload is refused, and nothing hangs
-    assert statuses.count(503) >= 1
-    assert statuses.count(200) >= 4
+    async def scenario():
+        async with httpx.AsyncClient(timeout=300) as http:
+            stop_streams = asyncio.Event()
+
+            async def stream(i: int, opened: asyncio.Future) -> None:
+                async with http.stream("POST", f"{BASE}/v1/completions", json={
+                        "model": "smol", "prompt": f"Count to {i}:", "max_tokens": 3000, "temperature": 0,
+                        "ignore_eos": True, "stream": True}) as r:
+                    opened.set_result(r.status_code)
+                    async for _ in r.aiter_lines():
+                        if stop_streams.is_set():
+                            return  # leaving the block disconnects: the router releases the request
+
+            loop = asyncio.get_running_loop()
+            streams, opened = [], []
+            for i in range(8):  # one at a time, so that each takes a slot before the next arrives
+                opened.append(loop.create_future())
+                streams.append(asyncio.create_task(stream(i, opened[-1])))
+                assert await opened[-1] == 200
+
+            async def call(i: int) -> tuple[int, float]:
+                r = await http.post(f"{BASE}/v1/completions", json={**body, "prompt": f"Call {i}:"})
+                return r.status_code, loop.time()
+
+            calls = []
+            for i in range(8):
+                calls.append(asyncio.create_task(call(i)))
+                await asyncio.sleep(0.5)
+            refused_at_once = sum(c.done() for c in calls[4:])
+            waiting = sum(not c.done() for c in calls[:4])
+            released = loop.time()
+            stop_streams.set()
+            await asyncio.gather(*streams)
+            return [await c for c in calls], refused_at_once, waiting, released
+
+    results, refused_at_once, waiting, released = asyncio.run(scenario())
+    assert [status for status, _ in results] == [200] * 4 + [503] * 4, results
+    assert refused_at_once == 4  # answered while the streams still held every slot: no hang
+    assert waiting == 4  # the first 4 waited for a slot, and ran once the streams ended
+    assert all(done > released for _, done in results[:4])
