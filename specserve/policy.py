@@ -538,8 +538,12 @@ class MeasuredModes:
     credit both modes with the same tokens. The next epoch runs the better
     mode (switching only for more than `hysteresis`), and now and then an epoch at a level runs
     the other one so both estimates stay current: first after `explore_every` epochs, then each
-    exploration that confirms the better mode (the other still behind by more than `hysteresis`)
-    doubles the wait before the next, up to `max_explore_every`; one that does not resets it.
+    exploration that leaves the decision as it was (the explored mode not ahead by more than
+    `hysteresis`) doubles the wait before the next, up to `max_explore_every`; one that overturns
+    it resets the wait. A tie backs off too: where both modes measure within `hysteresis` of
+    each other (8-16 streams on 2 cores: always on and always off within 1-3%), resetting on
+    every exploration that did not show a clear winner explored every 5th epoch for good, and
+    each exploration of the model after epochs off pays the catch-up burst below.
     Exploring is not free: on a CPU an epoch of the model after epochs off had every request
     owe its draft pool a catch-up of all it emitted meanwhile, a burst of draft prefills that
     desynchronised the requests' rounds (target passes of 4 calls where there had been 8) for
@@ -616,10 +620,10 @@ class MeasuredModes:
             last = getattr(measured, self.current)
             setattr(measured, self.current, goodput if last is None else last + self.weight * (goodput - last))
             measured.epochs += 1
-            if self._exploring:  # back off while explorations confirm the better mode
-                confirmed = self._clearly_better(measured, "off" if self.current == "model" else "model")
-                measured.explore_every = (min(2 * measured.explore_every, self.max_explore_every) if confirmed
-                                          else self.explore_every)
+            if self._exploring:  # back off while explorations leave the decision as it was
+                overturned = self._clearly_better(measured, self.current)
+                measured.explore_every = (self.explore_every if overturned
+                                          else min(2 * measured.explore_every, self.max_explore_every))
                 measured.next_explore = measured.epochs + measured.explore_every
 
     def _measured(self, level: int) -> _ModeGoodput:

@@ -372,6 +372,16 @@ def test_explorations_back_off_while_they_confirm_the_better_mode_and_follow_a_c
     assert modes.levels[MeasuredModes.level(8)].explore_every <= modes.max_explore_every
 
 
+def test_explorations_back_off_where_the_modes_tie():
+    """Where speculating and not measure the same (within the hysteresis), no exploration can
+    change much, and each one costs: they come ever more rarely too, whichever mode runs."""
+    modes = MeasuredModes(epoch_s=2.0)
+    run = [mode for _, mode in run_modes(modes, [(8, 25, 25.5)] * 120, random.Random(7), noise=0.01)]
+    switches = [i for i in range(2, len(run)) if run[i] != run[i - 1]]
+    assert 3 <= len(switches) <= 8  # every 5th epoch, to the other mode and back, would be ~40
+    assert modes.levels[MeasuredModes.level(8)].explore_every > modes.explore_every
+
+
 def test_an_epoch_whose_load_changed_measures_nothing():
     modes = MeasuredModes(epoch_s=1.0)
     assert modes.mode(0.0, 8) == "model"
