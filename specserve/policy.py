@@ -192,41 +192,56 @@ class LoadModel:
 
 @dataclass
 class PrefillWatch:
-    """Which rounds overlapped another request's prompt prefill. Such a round waited for that
-    prefill (33-72 s per round at 16 streams on a 2-core CPU, in passes it did not count as
-    its own): a wait once per arriving request, not a constant every round pays, so it must not
-    be learnt as round overhead. Learnt as one, it made every depth look better than off.
+    """Which rounds overlapped another request's prompt prefill, and how long prefills have run.
+    Such a round waited for that prefill (33-72 s per round at 16 streams on a 2-core CPU, in
+    passes it did not count as its own): a wait once per arriving request, not a constant every
+    round pays, so it must not be learnt as round overhead. Learnt as one, it made every depth
+    look better than off. For the same reason `MeasuredModes` takes the time prefills ran out of
+    an epoch (`busy_s`).
 
     >>> watch = PrefillWatch()
-    >>> mine = watch.start(prefill=False)   # a decode round begins
-    >>> theirs = watch.start(prefill=True)  # another request's first round begins meanwhile
-    >>> watch.end(theirs); watch.clear(mine)
+    >>> mine = watch.start(prefill=False, now=0.0)   # a decode round begins
+    >>> theirs = watch.start(prefill=True, now=1.0)  # another request's first round begins meanwhile
+    >>> watch.end(theirs, now=3.0); watch.clear(mine)
     False
-    >>> watch.clear(watch.start(prefill=False))
+    >>> watch.clear(watch.start(prefill=False, now=3.0))
     True
+    >>> watch.busy_s(now=5.0)
+    2.0
     """
 
     active: int = 0  # requests in their first (prompt-prefill) round
     events: int = 0  # first rounds started or ended so far
+    _busy_s: float = 0.0  # seconds with a prefill running, up to _since
+    _since: float | None = None  # since when one has run (None: none runs)
 
-    def start(self, prefill: bool) -> tuple[int, bool, bool]:
+    def start(self, prefill: bool, now: float) -> tuple[int, bool, bool]:
         """A round begins; returns its mark."""
         mark = (self.events, self.active > 0, prefill)
         if prefill:
+            if self.active == 0:
+                self._since = now
             self.active += 1
             self.events += 1
         return mark
 
-    def end(self, mark: tuple[int, bool, bool]) -> None:
+    def end(self, mark: tuple[int, bool, bool], now: float) -> None:
         """The round of `mark` ended (however it ended)."""
         if mark[2]:
             self.active -= 1
             self.events += 1
+            if self.active == 0:
+                self._busy_s += now - self._since
+                self._since = None
 
     def clear(self, mark: tuple[int, bool, bool]) -> bool:
         """Whether the round of `mark` (not a prefill itself) saw no prefill from start to now."""
         events, busy, prefill = mark
         return not prefill and not busy and self.events == events
+
+    def busy_s(self, now: float) -> float:
+        """Seconds so far during which at least one prompt prefill ran."""
+        return self._busy_s + (now - self._since if self._since is not None else 0.0)
 
 
 @dataclass
@@ -533,7 +548,11 @@ class MeasuredModes:
     RequestState.plan_round); at its end the
     epoch's goodput goes to the EMA of its mode at its concurrency level (log2 buckets of
     requests in flight; an epoch whose level changed is dropped, and so is one that no round
-    ended within two epochs). Only requests the policy steers take part: a request with a fixed
+    ended within two epochs). Goodput is over the epoch's time free of prompt prefills, and an
+    epoch that prefills took more than half of is dropped: requests that arrive together (a
+    burst, or each pass of a benchmark) prefill first, and an epoch's goodput then followed the
+    wave's phase more than its mode (replayed from a policy trace at 16 streams: 0.15 tok/s in a
+    wave's opening epoch, up to 12.4 in its middle, which kept a losing mode on for ~240 rounds). Only requests the policy steers take part: a request with a fixed
     setting neither follows an epoch's mode nor counts in its goodput, so measuring it would
     credit both modes with the same tokens. The next epoch runs the better
     mode (switching only for more than `hysteresis`), and now and then an epoch at a level runs
@@ -569,11 +588,13 @@ class MeasuredModes:
     hysteresis: float = 0.05
     weight: float = 0.3  # an epoch's weight in its mode's EMA
     min_in_flight: int = 3
+    min_clear_share: float = 0.5  # of an epoch free of prompt prefills, to be measured
     levels: dict[int, _ModeGoodput] = field(default_factory=dict)
     current: str = "model"
     _started: float | None = None
     _level: int | None = None
     _tokens: int = 0
+    _prefill_at_start: float = 0.0  # prefill seconds (PrefillWatch.busy_s) when the epoch began
     _exploring: bool = False  # the running epoch runs the mode its level measured worse
 
     @staticmethod
@@ -597,25 +618,30 @@ class MeasuredModes:
         8%, when new requests probed their first round)."""
         return in_flight >= self.min_in_flight
 
-    def mode(self, now: float, in_flight: int) -> str:
-        """The mode for a round starting now: "model" (the per-request policy decides) or "off"."""
+    def mode(self, now: float, in_flight: int, prefill_s: float = 0.0) -> str:
+        """The mode for a round starting now: "model" (the per-request policy decides) or "off".
+        `prefill_s`: seconds prompt prefills have run so far (PrefillWatch.busy_s)."""
         level = self.level(in_flight) if self.measures(in_flight) else 0
         ended = self._started is not None and now - self._started >= self.epoch_s
         if ended:
-            self._close(now, level)  # measures only an epoch that stayed at its level
+            self._close(now, level, prefill_s)  # measures only an epoch that stayed at its level
         if self._started is None or ended or level != self._level:  # (the load moved mid-epoch: a new one)
-            self._start(now, level, *(("model", False) if level == 0 else self._next(level)))
+            self._start(now, level, prefill_s, *(("model", False) if level == 0 else self._next(level)))
         return self.current
 
-    def _start(self, now: float, level: int, mode: str, exploring: bool) -> None:
+    def _start(self, now: float, level: int, prefill_s: float, mode: str, exploring: bool) -> None:
         self._started, self._level, self.current, self._tokens = now, level, mode, 0
+        self._prefill_at_start = prefill_s
         self._exploring = exploring
 
-    def _close(self, now: float, level: int) -> None:
+    def _close(self, now: float, level: int, prefill_s: float) -> None:
         # an epoch no round closed in time (idle, or only requests the policy does not steer)
-        # measured something else
-        if self._level == level and self._level > 0 and now - self._started <= 2 * self.epoch_s:
-            goodput = self._tokens / max(now - self._started, 1e-9)
+        # measured something else; so did one that prompt prefills took most of
+        span = now - self._started
+        clear_s = span - (prefill_s - self._prefill_at_start)
+        if (self._level == level and self._level > 0 and span <= 2 * self.epoch_s
+                and clear_s >= self.min_clear_share * span):
+            goodput = self._tokens / clear_s
             measured = self._measured(level)
             last = getattr(measured, self.current)
             setattr(measured, self.current, goodput if last is None else last + self.weight * (goodput - last))

@@ -240,10 +240,13 @@ class Router(GrpcApi):
                 return
             while not state.finished:
                 started = time.perf_counter()
-                mark = self.prefills.start(prefill)
+                round_start = time.monotonic()
+                mark = self.prefills.start(prefill, round_start)
                 self.load.in_flight = self.in_rounds
                 # only requests the policy steers take part in (and are measured by) its epochs
-                mode = self.modes.mode(time.monotonic(), self.in_rounds) if state.adaptive else "model"
+                mode = (self.modes.mode(round_start, self.in_rounds,
+                                                self.prefills.busy_s(round_start)) if state.adaptive
+                        else "model")
                 if self.trace is not None:  # what the draft pool has not seen, before this round's call
                     catch_up = len(state.prompt_ids) + len(state.output_ids) - state.draft_synced
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off",
@@ -256,7 +259,7 @@ class Router(GrpcApi):
                     proposal = state.proposal_in_hand()
                 verify = state.verify_request(proposal)
                 result = await self._before(deadline, state, self._verify(verify))
-                self.prefills.end(mark)
+                self.prefills.end(mark, time.monotonic())
                 round_mark, mark = mark, None
                 compute = result.compute_s + (proposal.compute_s if proposal is not None else 0.0)
                 wall = time.perf_counter() - started
@@ -280,7 +283,7 @@ class Router(GrpcApi):
                 yield emitted
         finally:
             if mark is not None:  # the round ended early (an error, a deadline, a disconnect)
-                self.prefills.end(mark)
+                self.prefills.end(mark, time.monotonic())
             self.in_rounds -= 1
             self._release(state)
 
