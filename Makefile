@@ -8,7 +8,7 @@ DEFAULT_MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # Ray 2.60 turns token auth on by default; a local single-user cluster does not need it.
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup models heads heads-hydra heads-redrafter serve serve-vllm generate test test-vllm test-fast bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-methods bench-adaptive bench-quick bench-full vllm-env kuberay clean
+.PHONY: setup models heads heads-hydra heads-redrafter serve serve-vllm generate test test-vllm test-fast bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-methods bench-hydra bench-adaptive bench-quick bench-full vllm-env kuberay clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -104,6 +104,11 @@ bench-ngram: models
 # heads-redrafter; a method without heads says so) (37 min on a 2-core AMD EPYC).
 bench-methods: models
 	$(VENV)/bin/specserve bench --preset methods --out bench-results/methods
+
+# Hydra against Medusa (train both first: make heads heads-hydra): accepted length with the same
+# 16-node trees, pruned at path score 0.05 and full, 16 held-out prompts per workload, one pass.
+bench-hydra: models
+	$(VENV)/bin/specserve bench --preset hydra --out bench-results/hydra
 
 # Load-aware speculation: off / always on / adaptive at 1-16 streams, code and chat (about an hour).
 bench-adaptive: models

@@ -84,6 +84,17 @@ PRESETS: dict[str, dict[str, Any]] = {
                      *[(method, {"shape": "tree", "tree": MEDUSA_TREE}) for method in ("medusa", "hydra")],
                      ("redrafter", {"shape": "tree", "tree": REDRAFTER_BEAMS})],
     },
+    "hydra": {
+        "help": "make bench-hydra: Hydra against Medusa heads (make heads, make heads-hydra), accepted length with the "
+                "same 16-node trees, pruned where a node's path score falls below 0.05 (as in the methods preset and "
+                "the manifests) and full (min_score 0: all 16 nodes, like the papers' static trees), 16 held-out "
+                "prompts per workload, one pass",
+        "modes": ["library"], "workloads": ["code", "chat"], "prompts": 16, "max_tokens": 96, "batch_sizes": [1],
+        "repeats": 1, "systems": ["specserve *"],
+        "variants": [("none", {}),
+                     *[(method, {"shape": "tree", "tree": tree})
+                       for tree in (MEDUSA_TREE, {**MEDUSA_TREE, "min_score": 0.0}) for method in ("medusa", "hydra")]],
+    },
     "adaptive": {
         "help": "make bench-adaptive: service mode through manifests/local.yaml at 1, 2, 4, 8 and 16 streams on code "
                 "and chat: speculation always off, always on (draft chain k=4) and adaptive (the load-aware policy, "
