@@ -540,40 +540,29 @@ class MeasuredModes:
     goodput (tokens emitted per second by every request this router carries) while requests
     speculate as the model chooses, against while speculation is off.
 
-    The per-round model cannot see every cost of speculating: the draft pool's prompt prefill,
-    passes of two pools contending for the same cores, calls queued behind other requests'
-    drafts. Where those make speculation lose, only a measurement shows it. So time is cut into
-    epochs of `epoch_s`; each runs one mode ("model" or "off") for everyone (with a draft
-    pool, "model" has every request speculate, as deep as the model says: see
-    RequestState.plan_round); at its end the
-    epoch's goodput goes to the EMA of its mode at its concurrency level (log2 buckets of
-    requests in flight; an epoch whose level changed is dropped, and so is one that no round
-    ended within two epochs). Goodput is over the epoch's time free of prompt prefills, and an
-    epoch that prefills took more than half of is dropped: requests that arrive together (a
-    burst, or each pass of a benchmark) prefill first, and an epoch's goodput then followed the
-    wave's phase more than its mode (a policy trace at 16 streams, replayed: epochs of 0.13 to
-    17.3 tok/s in either mode, the lowest where a wave opens with its prefills; estimates of
-    12.4 for the model against 3.5 for off kept the losing mode on for ~240 rounds). Only requests the policy steers take part: a request with a fixed setting neither
-    follows an epoch's mode nor counts in its goodput, so measuring it would credit both modes
-    with the same tokens. The next epoch runs the better
-    mode (switching only for more than `hysteresis`), and now and then an epoch at a level runs
-    the other one so both estimates stay current: first after `explore_every` epochs, then each
-    exploration that leaves the decision as it was (the explored mode not ahead by more than
-    `hysteresis`) doubles the wait before the next, up to `max_explore_every`; one that overturns
-    it resets the wait. A tie backs off too: where both modes measure within `hysteresis` of
-    each other (8-16 streams on 2 cores: always on and always off within 1-3%), resetting on
-    every exploration that did not show a clear winner explored every 5th epoch for good, and
-    each exploration of the model after epochs off pays the catch-up burst below.
-    Exploring is not free: on a CPU an epoch of the model after epochs off had every request
-    owe its draft pool a catch-up of all it emitted meanwhile, a burst of draft prefills that
-    desynchronised the requests' rounds (target passes of 4 calls where there had been 8) for
-    seconds after the epoch ended; at 8-16 streams, exploring every 5th epoch kept adaptive at
-    0.87-0.94x of always off though it ran off in 70-98% of rounds. Below `min_in_flight` requests the
-    model alone decides: a lone request has no other requests' costs it cannot see, and at 2
-    requests an epoch's goodput measures noise (code at 2 streams, the same load in either mode:
-    epochs of 4.5 to 10.6 tok/s, swung by whether a prompt's prefill fell in them) and an off
-    epoch leaves each request a draft-pool catch-up that keeps the next model epoch off too, so
-    the model, which picked the faster always-on there, never got to run.
+    Why: the per-round model cannot see every cost of speculating (the draft pool's prompt
+    prefills, two pools contending for the same cores, calls queued behind other requests'
+    drafts); where those make speculation lose, only a measurement shows it.
+
+    How: time is cut into epochs of `epoch_s`, each running one mode ("model" or "off") for
+    every request the policy steers (with a draft pool, "model" has every request speculate as
+    deep as the model says: see RequestState.plan_round). A request with a fixed setting
+    neither follows the epochs nor counts in them: it would credit both modes with the same
+    tokens. An epoch's goodput, over its time free of prompt prefills, goes to the EMA of its
+    mode at its level (log2 buckets of requests in flight). An epoch is dropped when its level
+    changed, when no round ended within two epochs, or when less than `min_clear_share` of it
+    was free of prefills (requests that arrive together prefill first, and such epochs
+    measured the wave's phase, not the mode). The next epoch runs the better mode, switching
+    only for more than `hysteresis`. Now and then an epoch runs the other mode so both
+    estimates stay current: first after `explore_every` epochs at a level; each exploration
+    that leaves the decision as it was (ties included) doubles the wait, up to
+    `max_explore_every`, and one that overturns it resets the wait. Exploring costs: an epoch
+    of the model after epochs off has every request's draft pool catch up on all it emitted
+    meanwhile, a burst of draft prefills that splits the target's passes for a while after.
+    Below `min_in_flight` requests the model alone decides: a lone request has no other
+    requests' costs it cannot see, and at 2 an epoch's goodput swings with whether a prompt's
+    prefill fell in it more than the modes differ. The measurements behind each of these
+    choices: docs/bench/adaptive-history.md.
 
         >>> modes = MeasuredModes(epoch_s=1.0)
         >>> modes.mode(now=0.0, in_flight=8)   # first epoch at 8 requests: measure the model
