@@ -552,7 +552,8 @@ class MeasuredModes:
     mode at its level (log2 buckets of requests in flight). An epoch is dropped when its level
     changed, when no round ended within two epochs, or when less than `min_clear_share` of it
     was free of prefills (requests that arrive together prefill first, and such epochs
-    measured the wave's phase, not the mode). The next epoch runs the better mode, switching
+    measured the wave's phase, not the mode); while a prompt prefills, an epoch takes no first
+    measurement and no exploration (`_next`). The next epoch runs the better mode, switching
     only for more than `hysteresis`. Now and then an epoch runs the other mode so both
     estimates stay current: first after `explore_every` epochs at a level; each exploration
     that leaves the decision as it was (ties included) doubles the wait, up to
@@ -608,15 +609,17 @@ class MeasuredModes:
         8%, when new requests probed their first round)."""
         return in_flight >= self.min_in_flight
 
-    def mode(self, now: float, in_flight: int, prefill_s: float = 0.0) -> str:
+    def mode(self, now: float, in_flight: int, prefill_s: float = 0.0, prefilling: bool = False) -> str:
         """The mode for a round starting now: "model" (the per-request policy decides) or "off".
-        `prefill_s`: seconds prompt prefills have run so far (PrefillWatch.busy_s)."""
+        `prefill_s`: seconds prompt prefills have run so far (PrefillWatch.busy_s); `prefilling`:
+        whether a prompt prefill runs now (PrefillWatch.active)."""
         level = self.level(in_flight) if self.measures(in_flight) else 0
         ended = self._started is not None and now - self._started >= self.epoch_s
         if ended:
             self._close(now, level, prefill_s)  # measures only an epoch that stayed at its level
         if self._started is None or ended or level != self._level:  # (the load moved mid-epoch: a new one)
-            self._start(now, level, prefill_s, *(("model", False) if level == 0 else self._next(level)))
+            self._start(now, level, prefill_s,
+                        *(("model", False) if level == 0 else self._next(level, prefilling)))
         return self.current
 
     def _start(self, now: float, level: int, prefill_s: float, mode: str, exploring: bool) -> None:
@@ -651,14 +654,19 @@ class MeasuredModes:
         mine, other = (measured.model, measured.off) if mode == "model" else (measured.off, measured.model)
         return mine is not None and other is not None and mine > other * (1 + self.hysteresis)
 
-    def _next(self, level: int) -> tuple[str, bool]:
-        """The mode of the next epoch at `level`, and whether it explores."""
+    def _next(self, level: int, prefilling: bool = False) -> tuple[str, bool]:
+        """The mode of the next epoch at `level`, and whether it explores. While prompts
+        prefill, an epoch neither takes a first measurement nor explores: an epoch of the model
+        would make the draft pool catch up exactly while the target prefills, and be dropped or
+        measure the prefills; it runs the better mode so far, off until both are measured."""
         measured = self._measured(level)
+        if prefilling and (measured.model is None or measured.off is None):
+            return "off", False
         if measured.model is None:
             return "model", False
         if measured.off is None:
             return "off", False
         best = next((mode for mode in ("off", "model") if self._clearly_better(measured, mode)), self.current)
-        if measured.epochs >= measured.next_explore:
+        if not prefilling and measured.epochs >= measured.next_explore:
             return ("off" if best == "model" else "model"), True
         return best, False

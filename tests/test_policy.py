@@ -797,6 +797,34 @@ def test_prefill_time_is_counted_once_while_prefills_overlap():
     assert watch.busy_s(now=10.0) == pytest.approx(3.0)
 
 
+def test_epochs_neither_measure_the_model_first_nor_explore_while_prompts_prefill():
+    """A wave of requests prefills its prompts first. An epoch of the model then makes every
+    request's draft pool catch up while the target prefills, and is dropped anyway (code at 8
+    streams: the first pass at the level ran the model through its prefills, which ended ~23 s
+    later than always off's). So while a prompt prefills an epoch runs the better mode so far,
+    off until both are measured, and an exploration that falls due waits."""
+    modes = MeasuredModes(epoch_s=4.0)
+    level = MeasuredModes.level(8)
+    assert modes.mode(0.0, 8, prefill_s=0.0, prefilling=True) == "off"
+    assert modes.mode(4.0, 8, prefill_s=4.0, prefilling=True) == "off"  # still prefilling
+    assert modes.levels[level].off is None  # a prefill's epoch is not measured
+    assert modes.mode(8.0, 8, prefill_s=8.0) == "model"  # prefills over: measure the model first
+    modes.record(40)
+    assert modes.mode(12.0, 8, prefill_s=8.0) == "off"
+    modes.record(48)
+    assert modes.mode(16.0, 8, prefill_s=8.0) == "off"  # 12 tok/s against the model's 10
+    measured = modes.levels[level]
+    measured.next_explore = measured.epochs  # an exploration is due
+    modes.record(48)
+    assert modes.mode(20.0, 8, prefill_s=8.0, prefilling=True) == "off"  # it waits for the prefill
+    modes.record(48)
+    assert modes.mode(24.0, 8, prefill_s=9.0) == "model"  # and runs once none is running
+    # where the model measured better, a prefill's epoch runs the model
+    modes.levels[level].model, modes.levels[level].off = 20.0, 12.0
+    modes.record(80)
+    assert modes.mode(28.0, 8, prefill_s=9.0, prefilling=True) == "model"
+
+
 def test_epochs_measure_goodput_over_their_time_free_of_prompt_prefills():
     """Requests that arrive together prefill first: an epoch mostly spent prefilling measures
     the wave, not its mode, and is dropped; in one with a short prefill, goodput is over the

@@ -244,7 +244,8 @@ class Router(GrpcApi):
                 mark = self.prefills.start(prefill, round_start)
                 self.load.in_flight = self.in_rounds
                 # only requests the policy steers take part in (and are measured by) its epochs
-                mode = (self.modes.mode(round_start, self.in_rounds, self.prefills.busy_s(round_start))
+                mode = (self.modes.mode(round_start, self.in_rounds, self.prefills.busy_s(round_start),
+                                        prefilling=self.prefills.active > 0)
                         if state.adaptive else "model")
                 if self.trace is not None:  # what the draft pool has not seen, before this round's call
                     catch_up = len(state.prompt_ids) + len(state.output_ids) - state.draft_synced
