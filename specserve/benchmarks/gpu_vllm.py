@@ -422,8 +422,9 @@ def bundle(args) -> None:
 
 # ---- calls: what one separate-pool round costs inside vLLM, in process (no Ray) --------------
 
-CALL_ROWS = ("propose k=4 (draft engine)", "verify (scoring, acceptance)", "vLLM extend, no logprobs",
-             "vLLM decode step")
+CALL_ROWS = ("propose k=4 (draft engine)", "vLLM generate k=4, bare (draft engine)",
+             "verify (scoring, acceptance)", "vLLM extend, prompt logprobs top-20, bare",
+             "vLLM extend, prompt logprobs top-1, bare", "vLLM extend, no logprobs", "vLLM decode step")
 
 
 def engines_in_process(args):
@@ -449,51 +450,65 @@ def engines_in_process(args):
     return VllmEngine(pool_args(args.model)), VllmEngine(pool_args(args.draft or args.model), role="draft")
 
 
-def greedy_params(max_tokens: int):
+def greedy_params(max_tokens: int, logprobs: int | None = None):
+    """vLLM's greedy params; with `logprobs`, top-N prompt and sampled logprobs as a verify asks
+    (the prefix cache read, as verify reads it)."""
     from vllm import SamplingParams as VllmParams
 
-    return VllmParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    scoring = {} if logprobs is None else {"prompt_logprobs": logprobs, "logprobs": logprobs,
+                                           "skip_reading_prefix_cache": False}
+    return VllmParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False, **scoring)
 
 
-async def bare_generate(llm, ids: list[int], max_tokens: int, request_id: str) -> tuple[float, int]:
+async def bare_generate(llm, ids: list[int], max_tokens: int, request_id: str,
+                        logprobs: int | None = None) -> tuple[float, int]:
     """(seconds, prompt tokens computed) for vLLM alone to take `ids` as a prompt and produce
     max_tokens greedy tokens."""
     started, out = time.perf_counter(), None
-    async for out in llm.generate({"prompt_token_ids": ids}, greedy_params(max_tokens), request_id):
+    async for out in llm.generate({"prompt_token_ids": ids}, greedy_params(max_tokens, logprobs), request_id):
         pass
     return time.perf_counter() - started, len(ids) - (out.num_cached_tokens or 0)
 
 
 async def time_calls(target, draft, context: list[int], rounds: int, decode_tokens: int = 32) -> dict[str, list[float]]:
     """Greedy separate-pool rounds on in-process engines, as the router runs them (propose, then
-    verify, then the context grows by what was accepted), each call timed; per round also vLLM's
-    own cost of the same extend (context + draft in, one token out, no logprobs: the floor a
-    scoring call could reach) and, once, its decode step. Seconds per call."""
+    verify, then the context grows by what was accepted), each call timed. Per round also vLLM's
+    own cost of the same work, bare: the draft's generation of k tokens, and the target's extend
+    (context + k tokens in, one token out) with verify's top-20 logprobs, with top-1, and with
+    none (the floor a scoring call could reach); once, a decode step. The specserve rows less
+    the bare rows are specserve's own share. Seconds per call."""
     from specserve.protocol import ProposeRequest, SamplingParams, VerifyRequest
 
     params, ids = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True), list(context)
     times: dict[str, list[float]] = {row: [] for row in CALL_ROWS}
     computed: dict[str, list[int]] = {"verify": [], "extend": []}
     for r in range(rounds + 1):  # round 0 warms every path up
+        # the bare draft generation first, on a context that differs in its last token (the
+        # same blocks cached as propose finds, and nothing of propose's own left for it)
+        other_context = ids[:-1] + [ids[-1] + 1]
+        generate, _ = await bare_generate(draft.llm, other_context, K, f"generate-{r}")
         started = time.perf_counter()
         proposal = await draft.propose(ProposeRequest("calls", ids, K, params, r))
         proposed = time.perf_counter()
-        # the extend first, with other draft tokens: the same lengths and context, and no cached
-        # block holding this round's draft (verify would find its rows cached and score again)
-        other = [token + 1 for token in proposal.tree.tokens]
-        extend, extend_computed = await bare_generate(target.llm, ids + other, 1, f"extend-{r}")
+        # the extends before verify, each with its own other draft tokens: the same lengths and
+        # context, and no cached block holding this round's draft (verify would find its rows
+        # cached and score again)
+        bare = []
+        for shift, logprobs in ((1, 20), (2, 1), (3, None)):
+            other = [token + shift for token in proposal.tree.tokens]
+            bare.append(await bare_generate(target.llm, ids + other, 1, f"extend-{shift}-{r}", logprobs))
         verifying = time.perf_counter()
         result = await target.verify(VerifyRequest("calls", ids, params, r, proposal.tree, proposal.law, proposal.dists))
         verified = time.perf_counter()
         if r:
-            times[CALL_ROWS[0]].append(proposed - started)
-            times[CALL_ROWS[1]].append(verified - verifying)
-            times[CALL_ROWS[2]].append(extend)
+            for row, seconds in zip(CALL_ROWS, (proposed - started, generate, verified - verifying,
+                                                *(seconds for seconds, _ in bare))):
+                times[row].append(seconds)
             computed["verify"].append(target.last_computed)
-            computed["extend"].append(extend_computed)
+            computed["extend"].append(bare[-1][1])
         ids += result.tokens
     (one, _), (many, _) = [await bare_generate(target.llm, ids, n, f"decode-{n}") for n in (1, decode_tokens + 1)]
-    times[CALL_ROWS[3]].append((many - one) / decode_tokens)
+    times[CALL_ROWS[-1]].append((many - one) / decode_tokens)
     return times, computed
 
 
