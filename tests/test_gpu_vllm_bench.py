@@ -161,36 +161,49 @@ def test_the_logs_travel_back_as_one_archive(tmp_path, monkeypatch):
 
 
 def test_the_calls_benchmark_runs_rounds_as_the_router_does(monkeypatch):
-    """time_calls: propose, a bare vLLM extend of the same prompt, verify; the context grows by
-    what verify accepted; every call of every round after the warm-up is timed."""
+    """time_calls: a bare draft generation, propose, three bare vLLM extends of the same lengths
+    (top-20, top-1, no logprobs), verify; the context grows by what verify accepted; every call
+    of every round after the warm-up is timed."""
     import asyncio
     from types import SimpleNamespace
 
     from specserve.protocol import DETERMINISTIC, Proposal, TokenTree, VerifyResult
 
     prompts = []
-    monkeypatch.setattr(gpu_vllm, "greedy_params", lambda max_tokens: SimpleNamespace(max_tokens=max_tokens))
+    monkeypatch.setattr(gpu_vllm, "greedy_params",
+                        lambda max_tokens, logprobs=None: SimpleNamespace(max_tokens=max_tokens, logprobs=logprobs))
 
     class FakeLLM:
+        def __init__(self, name):
+            self.name = name
+
         async def generate(self, prompt, params, request_id):
-            prompts.append((request_id, list(prompt["prompt_token_ids"]), params.max_tokens))
+            prompts.append((self.name, request_id, list(prompt["prompt_token_ids"]), params.max_tokens,
+                            params.logprobs))
             yield SimpleNamespace(num_cached_tokens=len(prompt["prompt_token_ids"]) - 3)
 
     class Draft:
+        llm = FakeLLM("draft")
+
         async def propose(self, request):
             assert request.k == gpu_vllm.K
             return Proposal(request.request_id, TokenTree((7, 8, 9, 10), (-1, 0, 1, 2)), DETERMINISTIC)
 
     class Target:
-        llm, last_computed = FakeLLM(), 6
+        llm, last_computed = FakeLLM("target"), 6
 
         async def verify(self, request):
             assert list(request.draft.tokens) == [7, 8, 9, 10]
             return VerifyResult(request.request_id, 1, [7, 42])
 
     times, computed = asyncio.run(gpu_vllm.time_calls(Target(), Draft(), [1, 2, 3], rounds=2, decode_tokens=4))
-    assert [len(times[row]) for row in gpu_vllm.CALL_ROWS] == [2, 2, 2, 1]
+    assert [len(times[row]) for row in gpu_vllm.CALL_ROWS] == [2, 2, 2, 2, 2, 2, 1]
     assert computed == {"verify": [6, 6], "extend": [3, 3]}
-    extends = [ids for rid, ids, _ in prompts if rid.startswith("extend")]
-    assert extends == [[1, 2, 3, 8, 9, 10, 11], [1, 2, 3, 7, 42, 8, 9, 10, 11], [1, 2, 3, 7, 42, 7, 42, 8, 9, 10, 11]]
-    assert [n for rid, _, n in prompts if rid.startswith("decode")] == [1, 5]
+    generations = [(ids, n) for llm, rid, ids, n, _ in prompts if llm == "draft"]
+    assert generations == [([1, 2, 4], gpu_vllm.K), ([1, 2, 3, 7, 43], gpu_vllm.K),
+                           ([1, 2, 3, 7, 42, 7, 43], gpu_vllm.K)]
+    extends = [(ids, logprobs) for _, rid, ids, _, logprobs in prompts if rid.startswith("extend")]
+    assert extends[:3] == [([1, 2, 3, 8, 9, 10, 11], 20), ([1, 2, 3, 9, 10, 11, 12], 1),
+                           ([1, 2, 3, 10, 11, 12, 13], None)]
+    assert [ids for ids, _ in extends[3::3]] == [[1, 2, 3, 7, 42, 8, 9, 10, 11], [1, 2, 3, 7, 42, 7, 42, 8, 9, 10, 11]]
+    assert [n for _, rid, _, n, _ in prompts if rid.startswith("decode")] == [1, 5]
