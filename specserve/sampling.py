@@ -133,7 +133,16 @@ def accept_greedy_tree(tree: TokenTree, target_logits: torch.Tensor) -> list[int
     >>> accept_greedy_tree(tree, logits)  # 6 and 7 accepted, then the target's 9
     [6, 7, 9]
     """
-    argmax = target_logits.argmax(-1).tolist()
+    return walk_greedy_tree(tree, target_logits.argmax(-1).tolist())
+
+
+def walk_greedy_tree(tree: TokenTree, argmax: list[int]) -> list[int]:
+    """accept_greedy_tree on the target's argmax per row (an engine that returns the top
+    tokens rather than logits needs no [n, V] tensor).
+
+    >>> walk_greedy_tree(TokenTree((5, 6, 7), (-1, -1, 1)), [6, 0, 7, 9])
+    [6, 7, 9]
+    """
     children = tree.children()
     out: list[int] = []
     node = -1

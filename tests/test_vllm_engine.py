@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import BASE, SMOL
-from specserve.engine.vllm_engine import accept, dense_logits, engine_args, target_rows
+from specserve.engine.vllm_engine import accept, accept_sampled, dense_logits, engine_args, row_argmax, target_rows
 from specserve.protocol import SamplingParams, SpecserveError, TokenTree, VerifyRequest
 from specserve.serve.config import PoolArgs
 
@@ -52,8 +52,26 @@ def test_top_n_logprobs_rebuild_the_processed_distribution_exactly_when_top_k_fi
     loose = SamplingParams(temperature=0.7)  # no top_k: the tail the engine did not return matters
     assert not torch.allclose(LazyTargetProbs(rebuilt, loose).dense(), LazyTargetProbs(logits, loose).dense(), atol=1e-3)
     first = int(logits[0].argmax())
-    greedy = accept(VerifyRequest("r", [1], SamplingParams(), 0, TokenTree.chain([first, 0])), rebuilt)
+    greedy = accept(VerifyRequest("r", [1], SamplingParams(), 0, TokenTree.chain([first, 0])), rows, 50)
     assert greedy.tokens[0] == first and len(greedy.tokens) >= 2
+
+
+def test_greedy_acceptance_on_the_rows_equals_it_on_the_dense_logits():
+    """Greedy reads each row's top token from vLLM's logprobs (no dense row): the same tokens
+    as the argmax of the rows made dense, ties (the lowest id) and ids past the vocabulary
+    (left out) included."""
+    from specserve.sampling import accept_greedy_tree
+
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(200):
+        rows = []
+        for _ in range(4):
+            ids = torch.randperm(60, generator=gen)[:5].tolist()
+            values = (torch.randint(0, 3, (5,), generator=gen) * -0.5).tolist()  # many ties
+            rows.append(dict(zip(ids, values)) | {55 + trial % 3: 1.0})  # past a vocabulary of 50
+        draft = TokenTree.chain([row_argmax(row, 50) if trial % 2 else 0 for row in rows[:3]])
+        request = VerifyRequest("r", [1], SamplingParams(), trial, draft)
+        assert accept(request, rows, 50).tokens == accept_greedy_tree(draft, dense_logits(rows, 50))
 
 
 def test_a_drafts_sampled_rows_become_a_sparse_distribution_with_distinct_padding():
@@ -185,7 +203,7 @@ def test_the_rebuilt_distribution_equals_the_models_when_top_k_fits(vllm_engine)
     model = models.load_causal_lm(SMOL, dtype="float32")
     ids = [504, 3458, 282, 4649, 314, 253, 1378, 28, 1669]
     draft = [411, 260]
-    out = run(vllm_engine._score("dist", ids + draft, read_cache=False))
+    out = run(vllm_engine._score("dist", ids + draft, read_cache=False, top=vllm_engine.top_n))
     rows = vllm_engine._rows(out, len(ids), len(ids + draft))
     with torch.no_grad():
         logits = model(torch.tensor([ids + draft])).logits[0, len(ids) - 1:].float()
@@ -278,7 +296,8 @@ def test_sampled_rounds_in_the_exact_regime_are_distributed_as_the_target(vllm_e
     # The draft is the target's own model, so q would equal p: score the target after another
     # context (the last token changed) so that p and q differ, as a real draft's would.
     context = prompt[:-1] + [11]
-    out = run(vllm_engine._score("dist", context + list(proposal.tree.tokens), read_cache=False))
+    out = run(vllm_engine._score("dist", context + list(proposal.tree.tokens), read_cache=False,
+                                 top=vllm_engine.top_n))
     rows = vllm_engine._rows(out, len(context), len(context) + len(proposal.tree.tokens))
     logits = dense_logits(rows, vllm_engine.vocab_size)
     p = LazyTargetProbs(logits, params).dense()[0]
@@ -289,7 +308,7 @@ def test_sampled_rounds_in_the_exact_regime_are_distributed_as_the_target(vllm_e
     for trial in range(n):
         draft = TokenTree.chain([int(torch.multinomial(q, 1, generator=gen))])
         # the first token depends only on row 0 (p) and q; row 1 (after the draft) only on the bonus
-        result = accept(VerifyRequest("dist", prompt, params, trial, draft, SAMPLED, proposal.dists), logits)
+        result = accept_sampled(VerifyRequest("dist", prompt, params, trial, draft, SAMPLED, proposal.dists), logits)
         counts[result.tokens[0]] += 1
     total_variation = 0.5 * float((counts / n - p).abs().sum())
     assert total_variation < 0.05, (total_variation, 0.5 * float((q - p).abs().sum()))

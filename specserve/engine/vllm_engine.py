@@ -13,7 +13,8 @@ own acceptance turns them into tokens, with the request's own seed.
   rows after the cached prefix are read, and a round whose first row was cached (a retry of the
   same round) is scored again without the cache.
 - Exactness: the logprobs are the raw model's top-N (`score_logprobs`, default 20) plus the
-  draft token's. Greedy is exact (the argmax is rank 1). Sampling is exact when the request's
+  draft token's. Greedy is exact (the argmax is rank 1): a greedy round asks for top-1 and reads
+  each row's top token, with no full-vocabulary row. Sampling is exact when the request's
   top_k <= N: temperature, top-k and top-p then see every token they can keep. Other sampled
   requests are refused (EngineInfo.sampled_top_k_max). Chains only: a tree goes as a chain.
 
@@ -145,21 +146,40 @@ def dense_logits(rows: list[dict[int, float]], vocab_size: int):
     return out
 
 
-def accept(request: VerifyRequest, logits) -> VerifyResult:
-    """specserve's exact acceptance on the scored rows (a chain): greedy, or rejection sampling."""
-    from specserve.sampling import LazyTargetProbs, accept_greedy_tree, accept_rejection_tree, densify, generator_for
+def row_argmax(row: dict[int, float], vocab_size: int) -> int:
+    """The top token of a row of logprobs, as torch's argmax picks it over the row made dense
+    (dense_logits): ids in the vocabulary only, and among equal logprobs the lowest id.
+
+    >>> row_argmax({9: -0.5, 3: -0.5, 4: -2.0, 12: 0.0}, vocab_size=10)
+    3
+    """
+    return min((token for token in row if token < vocab_size), key=lambda token: (-row[token], token))
+
+
+def accept(request: VerifyRequest, rows: list[dict[int, float]], vocab_size: int) -> VerifyResult:
+    """specserve's exact acceptance on the scored rows (a chain): greedy on each row's top token
+    (no dense row: an argmax over 150k mostly -inf logits was most of a CPU verify's own time),
+    or rejection sampling on the rows made dense."""
+    from specserve.sampling import walk_greedy_tree
+
+    if request.params.greedy:
+        out = walk_greedy_tree(request.draft, [row_argmax(row, vocab_size) for row in rows])
+        return VerifyResult(request.request_id, len(out) - 1, out)
+    return accept_sampled(request, dense_logits(rows, vocab_size))
+
+
+def accept_sampled(request: VerifyRequest, logits) -> VerifyResult:
+    """Rejection sampling of the draft chain against the target's dense [k + 1, V] logits."""
+    from specserve.sampling import LazyTargetProbs, accept_rejection_tree, densify, generator_for
     from specserve.verifier import check_sampled
 
     draft = request.draft
-    if request.params.greedy:
-        out = accept_greedy_tree(draft, logits)
-    else:
-        p = LazyTargetProbs(logits, request.params)
-        q = None
-        if request.law == SAMPLED and len(draft):
-            q = densify(request.dists, p.shape[-1])
-            check_sampled(draft, q, request.request_id)
-        out = accept_rejection_tree(draft, q, p, generator_for(request.seed))
+    p = LazyTargetProbs(logits, request.params)
+    q = None
+    if request.law == SAMPLED and len(draft):
+        q = densify(request.dists, p.shape[-1])
+        check_sampled(draft, q, request.request_id)
+    out = accept_rejection_tree(draft, q, p, generator_for(request.seed))
     return VerifyResult(request.request_id, len(out) - 1, out)
 
 
@@ -272,15 +292,18 @@ class VllmEngine:
         try:
             ids = list(request.token_ids) + list(draft.tokens)
             start = len(request.token_ids)
-            out = await self._score(request.request_id, ids, read_cache=True)
+            # greedy acceptance needs each row's top token: vLLM's top-1 (plus the prompt token's
+            # own logprob, which it always adds) costs less than top-N on a GPU (DESIGN.md)
+            top = 1 if request.params.greedy else self.top_n
+            out = await self._score(request.request_id, ids, read_cache=True, top=top)
             rows = self._rows(out, start, len(ids))
             if rows is None:  # a needed row came from the prefix cache: score it whole
                 self.rescored += 1
-                out = await self._score(request.request_id, ids, read_cache=False)
+                out = await self._score(request.request_id, ids, read_cache=False, top=top)
                 rows = self._rows(out, start, len(ids))
         finally:
             self.in_flight -= 1
-        result = accept(request, dense_logits(rows, self.vocab_size))
+        result = accept(request, rows, self.vocab_size)
         seconds = time.perf_counter() - started
         self._busy_s += seconds
         self._load = PoolLoad(self.in_flight + 1, float(self.last_computed), 0, seconds)
@@ -324,10 +347,10 @@ class VllmEngine:
         finally:
             self.in_flight -= 1
 
-    async def _score(self, request_id: str, ids: list[int], *, read_cache: bool):
+    async def _score(self, request_id: str, ids: list[int], *, read_cache: bool, top: int):
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=self.top_n, logprobs=self.top_n,
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top, logprobs=top,
                                 skip_reading_prefix_cache=not read_cache, detokenize=False)
         out = None
         async for out in self.llm.generate({"prompt_token_ids": ids}, params, f"{request_id}-{next(self._calls)}"):
