@@ -211,3 +211,44 @@ def test_affinity_router_reads_request_ids():
     assert request_id_of(SimpleNamespace(args=[verify])) == "r1"
     assert request_id_of(SimpleNamespace(args=["r2"])) == "r2"
     assert request_id_of(SimpleNamespace(args=[])) is None
+
+
+def test_the_builder_runs_every_replica_in_serves_throughput_optimized_mode_unless_told_not_to():
+    """fast_replica_calls (default on) puts RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (and direct ingress
+    off) into the router's and both pools' runtime_env; a pool's own env_vars win; off leaves
+    Serve's defaults."""
+    from specserve.serve import FAST_REPLICA_CALLS_ENV, build_app
+
+    mine = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "OTHER": "x"}
+    args = {"target": {"model": "smollm2-135m-instruct",
+                       "ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": mine}}},
+            "draft": {"model": "smollm2-135m-instruct"}, "speculation": {"proposer": "draft"},
+            "check_vocabulary_at_build": False}
+
+    def actor_options(app):
+        router = app._bound_deployment
+        target, draft = router.init_args[:2]
+        return {d.name: d.ray_actor_options for d in (router, target._bound_deployment, draft._bound_deployment)}
+
+    options = actor_options(build_app(args))
+    assert options["Router"]["runtime_env"]["env_vars"] == FAST_REPLICA_CALLS_ENV
+    assert options["DraftPool"]["runtime_env"]["env_vars"] == FAST_REPLICA_CALLS_ENV
+    assert options["TargetPool"]["runtime_env"]["env_vars"] == FAST_REPLICA_CALLS_ENV | mine
+    assert options["TargetPool"]["num_cpus"] == 1
+    assert FAST_REPLICA_CALLS_ENV == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+    options = actor_options(build_app({**args, "fast_replica_calls": False}))
+    assert "runtime_env" not in options["Router"] and "runtime_env" not in options["DraftPool"]
+    assert options["TargetPool"]["runtime_env"]["env_vars"] == mine
+
+
+def test_the_replica_calls_benchmark_config_is_a_valid_app_with_the_setting_it_compares():
+    from specserve.benchmarks import replica_calls
+
+    for fast in (True, False):
+        config = replica_calls.config(fast)
+        [app] = ServeDeploySchema.model_validate(config).applications
+        args = AppArgs.model_validate(app.args)
+        assert args.fast_replica_calls is fast and args.speculation.k == 4 and args.draft is not None
+    table = replica_calls.markdown([{"fast_replica_calls": True, "tok_s": 10.0, "overhead_ms_per_round": 12.0},
+                                    {"fast_replica_calls": False, "tok_s": 8.0, "overhead_ms_per_round": 21.0}])
+    assert "| 0 | on | 10.00 | 12.0 |" in table and "off: mean 8.00 tok/s, 21.0 ms" in table

@@ -96,12 +96,35 @@ def check_auth(args: AppArgs) -> None:
         load_api_keys(args.auth)
 
 
-def _pool_options(name: str, pool: PoolArgs) -> dict:
-    return {
+# Ray Serve's throughput-optimized mode for the replicas specserve builds (AppArgs.fast_replica_calls);
+# direct ingress (the router serving HTTP on its own port) is left off: the proxy stays the way in
+FAST_REPLICA_CALLS_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+
+
+def with_env_defaults(options: dict, env: dict[str, str]) -> dict:
+    """Deployment options with `env` added to ray_actor_options.runtime_env.env_vars, where the
+    options do not set those variables themselves (theirs win).
+
+    >>> with_env_defaults({"ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": {"A": "0"}}}},
+    ...                   {"A": "1", "B": "1"})["ray_actor_options"]
+    {'num_cpus': 1, 'runtime_env': {'env_vars': {'A': '0', 'B': '1'}}}
+    """
+    actor = dict(options.get("ray_actor_options") or {})
+    runtime_env = dict(actor.get("runtime_env") or {})
+    runtime_env["env_vars"] = env | dict(runtime_env.get("env_vars") or {})
+    return options | {"ray_actor_options": actor | {"runtime_env": runtime_env}}
+
+
+def _deployment_options(config: AppArgs, options: dict) -> dict:
+    return with_env_defaults(options, FAST_REPLICA_CALLS_ENV) if config.fast_replica_calls else options
+
+
+def _pool_options(config: AppArgs, name: str, pool: PoolArgs) -> dict:
+    return _deployment_options(config, {
         "name": name,
         "request_router_config": RequestRouterConfig(request_router_class=ROUTER_CLASS),
         **pool.deployment_options(),
-    }
+    })
 
 
 def build_app(args: dict | AppArgs) -> Application:
@@ -116,10 +139,10 @@ def build_app(args: dict | AppArgs) -> Application:
     heads = check_heads(config)
     pool, name = (CoLocatedPool, "CoLocatedPool") if heads is not None else (TargetPool, "TargetPool")
     target_args = config.target.model_dump() | ({"heads": str(heads)} if heads is not None else {})
-    target = pool.options(**_pool_options(name, config.target)).bind(target_args)
+    target = pool.options(**_pool_options(config, name, config.target)).bind(target_args)
     draft = None
     if config.draft is not None:
-        draft = DraftPool.options(**_pool_options("DraftPool", config.draft)).bind(
+        draft = DraftPool.options(**_pool_options(config, "DraftPool", config.draft)).bind(
             config.draft.model_dump(), config.speculation.model_dump())
-    return Router.options(name="Router", **config.router.deployment_options()).bind(
+    return Router.options(name="Router", **_deployment_options(config, config.router.deployment_options())).bind(
         target, draft, config.model_dump())

@@ -1,0 +1,107 @@
+"""Calls between replicas: Ray Serve's throughput-optimized mode (`fast_replica_calls`) on and off.
+
+`python -m specserve.benchmarks.replica_calls [--passes 4] [--out DIR]`
+
+Every round makes one or two pool calls (propose, verify), so their cost is paid per round. One
+`serve run` per pass, the setting alternating (on off off on ...): SmolLM2-135M as target and
+draft pool, k = 4 fixed, one stream, 8 prompts x 64 tokens, greedy, EOS ignored. Per pass:
+tokens/s and the median of the router's own measure of a round's time outside the pools'
+compute (`usage.speculation.round_trip_overhead_ms_per_round`); the greedy texts of every pass
+must agree. A small model keeps the pools' compute short, so the calls' share of a round is as
+large as it gets on this machine.
+
+Writes results.json and results.md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from specserve.benchmarks.http import run_level, start_server, stop_server, wait_healthy
+
+PORT = 8013
+MODEL = "smollm2-135m-instruct"
+PROMPTS = ("def fibonacci(n):", "import numpy as np\n", "class LRUCache:", "SELECT name, COUNT(*) FROM orders",
+           "def merge_sorted(a, b):", "The quick brown fox", "for i in range(10):", "async def main():")
+
+
+def config(fast: bool, port: int = PORT) -> dict:
+    """The Serve config of one pass."""
+    def pool() -> dict:
+        return {"model": MODEL, "dtype": "float32", "torch_threads": 1, "num_replicas": 1,
+                "ray_actor_options": {"num_cpus": 0.5}}
+
+    args = {"model_name": "bench", "target": pool(), "draft": pool(), "fast_replica_calls": fast,
+            "speculation": {"proposer": "draft", "shape": "chain", "k": 4, "policy": "fixed"}}
+    return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
+            "applications": [{"name": "replica-calls", "route_prefix": "/", "import_path": "specserve.serve:build_app",
+                              "args": args}]}
+
+
+def one_pass(fast: bool, work: Path, max_tokens: int) -> dict:
+    manifest = work / f"replica-calls-{'on' if fast else 'off'}.yaml"
+    manifest.write_text(yaml.safe_dump(config(fast), sort_keys=False))
+    server = start_server(str(manifest), str(work / "serve.log"))
+    url = f"http://127.0.0.1:{PORT}"
+    try:
+        wait_healthy(url, 600, server)
+        asyncio.run(run_level(url, "bench", ["warm up"], 8, 1, None, extra={"ignore_eos": True}))
+        wall, results = asyncio.run(run_level(url, "bench", list(PROMPTS), max_tokens, 1, None,
+                                              extra={"ignore_eos": True}))
+    finally:
+        stop_server(server)
+    tokens = sum(r.tokens for r in results)
+    return {"fast_replica_calls": fast, "tok_s": tokens / wall,
+            "overhead_ms_per_round": statistics.median(r.speculation["round_trip_overhead_ms_per_round"]
+                                                       for r in results),
+            "texts": [r.text for r in results]}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| pass | fast_replica_calls | tok/s | router's ms per round outside pool compute (median) |",
+             "|---|---|---|---|"]
+    lines += [f"| {i} | {'on' if r['fast_replica_calls'] else 'off'} | {r['tok_s']:.2f} | {r['overhead_ms_per_round']:.1f} |"
+              for i, r in enumerate(rows)]
+    for fast in (True, False):
+        mine = [r for r in rows if r["fast_replica_calls"] == fast]
+        if mine:
+            lines.append(f"\n{'on' if fast else 'off'}: mean {statistics.mean(r['tok_s'] for r in mine):.2f} tok/s, "
+                         f"{statistics.mean(r['overhead_ms_per_round'] for r in mine):.1f} ms per round outside "
+                         "pool compute")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--passes", type=int, default=4, help="serve runs, alternating on off off on ...")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", default="bench-results/replica-calls")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    order = [p % 4 in (0, 3) for p in range(args.passes)]  # on off off on on off off on ...
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for p, fast in enumerate(order):
+            row = one_pass(fast, Path(work), args.max_tokens)
+            rows.append(row)
+            print(f"pass {p} fast_replica_calls={'on' if fast else 'off'}: {row['tok_s']:.2f} tok/s, "
+                  f"{row['overhead_ms_per_round']:.1f} ms per round outside pool compute", flush=True)
+    if any(r["texts"] != rows[0]["texts"] for r in rows):
+        raise RuntimeError("the passes returned different greedy texts")
+    (out / "results.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "texts"} for r in rows],
+                                                 indent=1))
+    (out / "results.md").write_text(markdown(rows))
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
