@@ -192,12 +192,16 @@ class LoadModel:
 
 @dataclass
 class PrefillWatch:
-    """Which rounds overlapped another request's prompt prefill, and how long prefills have run.
-    Such a round waited for that prefill (33-72 s per round at 16 streams on a 2-core CPU, in
-    passes it did not count as its own): a wait once per arriving request, not a constant every
-    round pays, so it must not be learnt as round overhead. Learnt as one, it made every depth
-    look better than off. For the same reason `MeasuredModes` takes the time prefills ran out of
-    an epoch (`busy_s`).
+    """Which rounds overlapped a prefill, and how long prefills have run. Two kinds: a prompt's
+    prefill (a request's first round) and a draft pool's catch-up (a round whose propose call
+    carries more than a few tokens the draft has not seen: the request ran without the draft
+    for a while). A round that overlapped either waited for it (33-72 s per round at 16 streams
+    on a 2-core CPU, in passes it did not count as its own): a wait once per arriving request
+    or per switch of the draft back on, not a constant every round pays, so it must not be
+    learnt as round overhead. Learnt as one, it made every depth look better than off. For the
+    same reason `MeasuredModes` takes the time prefills ran out of an epoch (`busy_s`): an
+    epoch of the model that follows epochs off spent its first seconds on catch-ups, which
+    measure the switch, not the mode.
 
     >>> watch = PrefillWatch()
     >>> mine = watch.start(prefill=False, now=0.0)   # a decode round begins
@@ -206,42 +210,67 @@ class PrefillWatch:
     False
     >>> watch.clear(watch.start(prefill=False, now=3.0))
     True
-    >>> watch.busy_s(now=5.0)
-    2.0
+    >>> catch_up = watch.start(prefill=False, now=4.0, catch_up=True)  # a draft pool catches up
+    >>> watch.active, watch.catching_up
+    (0, 1)
+    >>> watch.end(catch_up, now=5.0); watch.busy_s(now=6.0)
+    3.0
     """
 
     active: int = 0  # requests in their first (prompt-prefill) round
-    events: int = 0  # first rounds started or ended so far
-    _busy_s: float = 0.0  # seconds with a prefill running, up to _since
+    catching_up: int = 0  # rounds whose draft pool catches up on tokens it has not seen
+    events: int = 0  # prefills of either kind started or ended so far
+    _busy_s: float = 0.0  # seconds with a prefill of either kind running, up to _since
     _since: float | None = None  # since when one has run (None: none runs)
 
-    def start(self, prefill: bool, now: float) -> tuple[int, bool, bool]:
-        """A round begins; returns its mark."""
-        mark = (self.events, self.active > 0, prefill)
-        if prefill:
-            if self.active == 0:
+    def start(self, prefill: bool, now: float, catch_up: bool = False) -> tuple[int, bool, str | None]:
+        """A round begins (`prefill`: a prompt's first round; `catch_up`: its draft pool catches
+        up); returns its mark."""
+        kind = "prefill" if prefill else "catch_up" if catch_up else None
+        mark = (self.events, self.active + self.catching_up > 0, kind)
+        if kind is not None:
+            if self.active + self.catching_up == 0:
                 self._since = now
-            self.active += 1
+            if prefill:
+                self.active += 1
+            else:
+                self.catching_up += 1
             self.events += 1
         return mark
 
-    def end(self, mark: tuple[int, bool, bool], now: float) -> None:
+    def end(self, mark: tuple[int, bool, str | None], now: float) -> None:
         """The round of `mark` ended (however it ended)."""
-        if mark[2]:
-            self.active -= 1
+        kind = mark[2]
+        if kind is not None:
+            if kind == "prefill":
+                self.active -= 1
+            else:
+                self.catching_up -= 1
             self.events += 1
-            if self.active == 0:
+            if self.active + self.catching_up == 0:
                 self._busy_s += now - self._since
                 self._since = None
 
-    def clear(self, mark: tuple[int, bool, bool]) -> bool:
-        """Whether the round of `mark` (not a prefill itself) saw no prefill from start to now."""
-        events, busy, prefill = mark
-        return not prefill and not busy and self.events == events
+    def clear(self, mark: tuple[int, bool, str | None]) -> bool:
+        """Whether the round of `mark` (no prefill itself) saw no prefill of either kind from
+        start to now."""
+        events, busy, kind = mark
+        return kind is None and not busy and self.events == events
 
     def busy_s(self, now: float) -> float:
-        """Seconds so far during which at least one prompt prefill ran."""
+        """Seconds so far during which at least one prefill of either kind ran."""
         return self._busy_s + (now - self._since if self._since is not None else 0.0)
+
+
+def draft_catches_up(unseen: int, depth: int) -> bool:
+    """Whether a propose call carrying `unseen` tokens its draft pool has not seen is a catch-up
+    (a prefill: the request ran without the draft for a while), not a round's usual sync (the
+    previous round's accepted tokens and its bonus token: at most depth + 1).
+
+    >>> draft_catches_up(5, depth=4), draft_catches_up(11, depth=4)
+    (False, True)
+    """
+    return unseen > 2 * (depth + 1)
 
 
 @dataclass
@@ -560,6 +589,11 @@ class MeasuredModes:
     `max_explore_every`, and one that overturns it resets the wait. Exploring costs: an epoch
     of the model after epochs off has every request's draft pool catch up on all it emitted
     meanwhile, a burst of draft prefills that splits the target's passes for a while after.
+    Those catch-ups count as prefills (PrefillWatch): their time is taken out of the epoch, and
+    an exploration whose epoch they took most of is dropped and goes on for up to
+    `explore_retries` more epochs, so that it measures the mode once the draft pools have
+    caught up rather than the switch (measured with the catch-ups in, code at 16 streams ran
+    off although always on was 12% faster).
     Below `min_in_flight` requests the model alone decides: a lone request has no other
     requests' costs it cannot see, and at 2 an epoch's goodput swings with whether a prompt's
     prefill fell in it more than the modes differ. The measurements behind each of these
@@ -579,7 +613,8 @@ class MeasuredModes:
     hysteresis: float = 0.05
     weight: float = 0.3  # an epoch's weight in its mode's EMA
     min_in_flight: int = 3
-    min_clear_share: float = 0.5  # of an epoch free of prompt prefills, to be measured
+    min_clear_share: float = 0.5  # of an epoch free of prefills (either kind), to be measured
+    explore_retries: int = 2  # epochs an exploration goes on while its epochs are dropped
     levels: dict[int, _ModeGoodput] = field(default_factory=dict)
     current: str = "model"
     _started: float | None = None
@@ -587,6 +622,7 @@ class MeasuredModes:
     _tokens: int = 0
     _prefill_at_start: float = 0.0  # prefill seconds (PrefillWatch.busy_s) when the epoch began
     _exploring: bool = False  # the running epoch runs the mode its level measured worse
+    _retries: int = 0  # epochs the running exploration went on after dropped ones
 
     @staticmethod
     def level(in_flight: int) -> int:
@@ -615,35 +651,46 @@ class MeasuredModes:
         whether a prompt prefill runs now (PrefillWatch.active)."""
         level = self.level(in_flight) if self.measures(in_flight) else 0
         ended = self._started is not None and now - self._started >= self.epoch_s
-        if ended:
-            self._close(now, level, prefill_s)  # measures only an epoch that stayed at its level
+        measured = ended and self._close(now, level, prefill_s)  # only an epoch that stayed at its level
         if self._started is None or ended or level != self._level:  # (the load moved mid-epoch: a new one)
-            self._start(now, level, prefill_s,
-                        *(("model", False) if level == 0 else self._next(level, prefilling)))
+            dropped_exploration = ended and not measured and self._exploring and level == self._level
+            if dropped_exploration and self._retries < self.explore_retries:  # the exploration goes on
+                self._start(now, level, prefill_s, self.current, True, self._retries + 1)
+            else:
+                if dropped_exploration:  # given up: wait as after one that left the decision as it was
+                    self._back_off(self._measured(level), overturned=False)
+                self._start(now, level, prefill_s, *(("model", False) if level == 0 else self._next(level, prefilling)))
         return self.current
 
-    def _start(self, now: float, level: int, prefill_s: float, mode: str, exploring: bool) -> None:
+    def _start(self, now: float, level: int, prefill_s: float, mode: str, exploring: bool, retries: int = 0) -> None:
         self._started, self._level, self.current, self._tokens = now, level, mode, 0
         self._prefill_at_start = prefill_s
-        self._exploring = exploring
+        self._exploring, self._retries = exploring, retries
 
-    def _close(self, now: float, level: int, prefill_s: float) -> None:
+    def _close(self, now: float, level: int, prefill_s: float) -> bool:
+        """Measure the epoch that ends now, if it measured its mode; returns whether it did."""
         # an epoch no round closed in time (idle, or only requests the policy does not steer)
-        # measured something else; so did one that prompt prefills took most of
+        # measured something else; so did one that prefills (prompts', draft catch-ups) took most of
         span = now - self._started
         clear_s = span - (prefill_s - self._prefill_at_start)
-        if (self._level == level and self._level > 0 and span <= 2 * self.epoch_s
+        if not (self._level == level and self._level > 0 and span <= 2 * self.epoch_s
                 and clear_s >= self.min_clear_share * span):
-            goodput = self._tokens / clear_s
-            measured = self._measured(level)
-            last = getattr(measured, self.current)
-            setattr(measured, self.current, goodput if last is None else last + self.weight * (goodput - last))
-            measured.epochs += 1
-            if self._exploring:  # back off while explorations leave the decision as it was
-                overturned = self._clearly_better(measured, self.current)
-                measured.explore_every = (self.explore_every if overturned
-                                          else min(2 * measured.explore_every, self.max_explore_every))
-                measured.next_explore = measured.epochs + measured.explore_every
+            return False
+        goodput = self._tokens / clear_s
+        measured = self._measured(level)
+        last = getattr(measured, self.current)
+        setattr(measured, self.current, goodput if last is None else last + self.weight * (goodput - last))
+        measured.epochs += 1
+        if self._exploring:
+            self._back_off(measured, overturned=self._clearly_better(measured, self.current))
+        return True
+
+    def _back_off(self, measured: _ModeGoodput, overturned: bool) -> None:
+        """The wait before a level's next exploration: reset by one that overturned the
+        decision, doubled (up to max_explore_every) by one that left it as it was."""
+        measured.explore_every = (self.explore_every if overturned
+                                  else min(2 * measured.explore_every, self.max_explore_every))
+        measured.next_explore = measured.epochs + measured.explore_every
 
     def _measured(self, level: int) -> _ModeGoodput:
         return self.levels.setdefault(level, _ModeGoodput(explore_every=self.explore_every,

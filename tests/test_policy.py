@@ -825,6 +825,51 @@ def test_epochs_neither_measure_the_model_first_nor_explore_while_prompts_prefil
     assert modes.mode(28.0, 8, prefill_s=9.0, prefilling=True) == "model"
 
 
+def test_an_exploration_of_the_model_measures_it_after_the_draft_pools_caught_up():
+    """An epoch of the model after epochs off spends its first seconds on every request's
+    draft-pool catch-up (code at 16 streams: 26-356 tokens per request), which the router counts
+    as prefill time. An exploration whose epoch that took most of is dropped and goes on, up to
+    explore_retries more epochs, so it measures the model once caught up (measured with the
+    catch-ups in, code at 16 streams ran off although always on was 12% faster)."""
+    modes = MeasuredModes(epoch_s=4.0, explore_retries=2)
+    level = MeasuredModes.level(16)
+    measured = modes._measured(level)
+    measured.model, measured.off, measured.epochs, measured.next_explore = 10.0, 12.0, 6, 6  # off leads; due
+    modes.current = "off"
+    assert modes.mode(0.0, 16) == "model"  # the exploration starts
+    modes.record(8)
+    assert modes.mode(4.0, 16, prefill_s=3.0) == "model"  # catch-ups took 3 s of 4: dropped, it goes on
+    assert (measured.model, measured.epochs) == (10.0, 6)
+    modes.record(64)
+    assert modes.mode(8.0, 16, prefill_s=3.5) == "model"  # caught up: 64 tokens in 3.5 clear s, overturned
+    assert measured.model == pytest.approx(10.0 + 0.3 * (64 / 3.5 - 10.0)) and measured.epochs == 7
+    # an exploration that stays dropped ends after its retries, the better mode runs again, and
+    # the next exploration waits twice as long
+    modes = MeasuredModes(epoch_s=4.0, explore_retries=2)
+    measured = modes._measured(level)
+    measured.model, measured.off, measured.epochs, measured.next_explore = 10.0, 12.0, 6, 6
+    modes.current = "off"
+    assert [modes.mode(t, 16, prefill_s=t) for t in (0.0, 4.0, 8.0, 12.0)] == ["model"] * 3 + ["off"]
+    assert (measured.model, measured.epochs) == (10.0, 6)
+    assert measured.explore_every == 2 * modes.explore_every and measured.next_explore == 6 + measured.explore_every
+
+
+def test_a_draft_pools_catch_up_is_a_prefill_to_the_watch_but_no_prompt_prefill():
+    """Catch-ups make epochs' busy time and keep their rounds out of the overhead learnt, as
+    prompt prefills do; they do not stop explorations or first measurements (`active` counts
+    prompts only), which would stop every exploration of the model by its own catch-ups."""
+    from specserve.policy import draft_catches_up
+
+    watch = PrefillWatch()
+    mine = watch.start(prefill=False, now=0.0)
+    catch_up = watch.start(prefill=False, now=1.0, catch_up=True)
+    assert (watch.active, watch.catching_up) == (0, 1) and not watch.clear(catch_up)
+    watch.end(catch_up, now=2.5)
+    assert not watch.clear(mine) and watch.busy_s(now=3.0) == pytest.approx(1.5)
+    assert watch.clear(watch.start(prefill=False, now=3.0))
+    assert [draft_catches_up(n, depth=4) for n in (1, 5, 10, 11, 300)] == [False, False, False, True, True]
+
+
 def test_epochs_measure_goodput_over_their_time_free_of_prompt_prefills():
     """Requests that arrive together prefill first: an epoch mostly spent prefilling measures
     the wave, not its mode, and is dropped; in one with a short prefill, goodput is over the

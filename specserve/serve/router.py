@@ -33,7 +33,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.engine import adapt_speculation, sampling_refusal
-from specserve.policy import LoadModel, MeasuredModes, PrefillWatch, SpeculationPolicy
+from specserve.policy import LoadModel, MeasuredModes, PrefillWatch, SpeculationPolicy, draft_catches_up
 from specserve.protocol import (
     DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, TokenTree, VerifyRequest,
     VerifyResult,
@@ -131,7 +131,7 @@ class Router(GrpcApi):
         self.load = LoadModel()
         self.modes = MeasuredModes()  # the model, checked against measured goodput at each load
         self.in_rounds = 0  # requests running rounds here
-        self.prefills = PrefillWatch()  # rounds that waited for a prompt's prefill: not round overhead
+        self.prefills = PrefillWatch()  # rounds that waited for a prefill (prompt, draft catch-up): not overhead
         # Prompt lookup runs here, on the token ids the router holds: proposer `ngram`, and the
         # fallback while the draft pool is down.
         self.ngram = NgramProposer(max_n=self.spec.ngram.max_n, min_n=self.spec.ngram.min_n)
@@ -241,17 +241,17 @@ class Router(GrpcApi):
             while not state.finished:
                 started = time.perf_counter()
                 round_start = time.monotonic()
-                mark = self.prefills.start(prefill, round_start)
                 self.load.in_flight = self.in_rounds
                 # only requests the policy steers take part in (and are measured by) its epochs
                 mode = (self.modes.mode(round_start, self.in_rounds, self.prefills.busy_s(round_start),
-                                        prefilling=self.prefills.active > 0)
+                                        prefilling=self.prefills.active > 0 or prefill)
                         if state.adaptive else "model")
-                if self.trace is not None:  # what the draft pool has not seen, before this round's call
-                    catch_up = len(state.prompt_ids) + len(state.output_ids) - state.draft_synced
+                catch_up = len(state.prompt_ids) + len(state.output_ids) - state.draft_synced  # unseen by the draft
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off",
                                             measured_level=self.modes.measures(self.in_rounds))
                 draft_call = state.needs_proposer and state.speculation.draft_cost == "pool"
+                mark = self.prefills.start(prefill, round_start, catch_up=draft_call and draft_catches_up(
+                    catch_up, state.speculation.depth))
                 if state.needs_proposer:  # a draft pool's round, or prompt lookup
                     proposal = await self._before(deadline, state, self._propose(state.propose_request(),
                                                                                  state.speculation.proposer))
