@@ -213,9 +213,9 @@ def test_affinity_router_reads_request_ids():
     assert request_id_of(SimpleNamespace(args=[])) is None
 
 
-def test_the_builder_runs_every_replica_in_serves_throughput_optimized_mode_unless_told_not_to():
-    """fast_replica_calls (default on) puts RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (and direct ingress
-    off) into the router's and both pools' runtime_env; a pool's own env_vars win; off leaves
+def test_the_builder_runs_every_replica_in_serves_throughput_optimized_mode_when_told_to():
+    """fast_replica_calls puts RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (and direct ingress off) into the
+    router's and both pools' runtime_env; a pool's own env_vars win; off (the default) leaves
     Serve's defaults."""
     from specserve.serve import FAST_REPLICA_CALLS_ENV, build_app
 
@@ -230,13 +230,14 @@ def test_the_builder_runs_every_replica_in_serves_throughput_optimized_mode_unle
         target, draft = router.init_args[:2]
         return {d.name: d.ray_actor_options for d in (router, target._bound_deployment, draft._bound_deployment)}
 
-    options = actor_options(build_app(args))
+    assert AppArgs.model_validate(args).fast_replica_calls is False
+    options = actor_options(build_app({**args, "fast_replica_calls": True}))
     assert options["Router"]["runtime_env"]["env_vars"] == FAST_REPLICA_CALLS_ENV
     assert options["DraftPool"]["runtime_env"]["env_vars"] == FAST_REPLICA_CALLS_ENV
     assert options["TargetPool"]["runtime_env"]["env_vars"] == FAST_REPLICA_CALLS_ENV | mine
     assert options["TargetPool"]["num_cpus"] == 1
     assert FAST_REPLICA_CALLS_ENV == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
-    options = actor_options(build_app({**args, "fast_replica_calls": False}))
+    options = actor_options(build_app(args))
     assert "runtime_env" not in options["Router"] and "runtime_env" not in options["DraftPool"]
     assert options["TargetPool"]["runtime_env"]["env_vars"] == mine
 

@@ -20,6 +20,7 @@ import asyncio
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -45,6 +46,20 @@ def config(fast: bool, port: int = PORT) -> dict:
                               "args": args}]}
 
 
+def wait_port_free(port: int, timeout_s: float = 120.0) -> None:
+    """Until nothing answers on `port`: a stopped `serve run`'s proxy can outlive it for a while,
+    and the next pass's health check would find it (and its requests fail as it goes)."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        time.sleep(1)
+    raise RuntimeError(f"port {port} still answers {timeout_s:.0f} s after the server stopped")
+
+
 def one_pass(fast: bool, work: Path, max_tokens: int) -> dict:
     manifest = work / f"replica-calls-{'on' if fast else 'off'}.yaml"
     manifest.write_text(yaml.safe_dump(config(fast), sort_keys=False))
@@ -57,6 +72,7 @@ def one_pass(fast: bool, work: Path, max_tokens: int) -> dict:
                                               extra={"ignore_eos": True}))
     finally:
         stop_server(server)
+        wait_port_free(PORT)
     tokens = sum(r.tokens for r in results)
     return {"fast_replica_calls": fast, "tok_s": tokens / wall,
             "overhead_ms_per_round": statistics.median(r.speculation["round_trip_overhead_ms_per_round"]

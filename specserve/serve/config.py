@@ -266,11 +266,11 @@ class AppArgs(_Strict):
     # reachable hub); the pools compare again at start-up either way.
     check_vocabulary_at_build: bool = True
     fast_replica_calls: bool = Field(
-        True, description="run the router and the pools in Ray Serve's throughput-optimized mode "
-        "(RAY_SERVE_THROUGHPUT_OPTIMIZED: calls between replicas over gRPC, user code on each replica's own "
-        "event loop, buffered access logs; direct ingress stays off): every round makes one or two pool "
-        "calls, and this cut the router's time per round outside them from ~21 to ~12 ms (README, "
-        "'Calls between replicas'). A pool's own ray_actor_options.runtime_env.env_vars win over it")
+        False, description="run the router and the pools in Ray Serve's throughput-optimized mode "
+        "(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in each deployment's runtime_env: calls between replicas over gRPC, "
+        "user code on each replica's own event loop, buffered access logs; direct ingress off). Off by default: "
+        "as built (direct ingress off) it measured no gain (README, 'Calls between replicas'). A pool's own "
+        "ray_actor_options.runtime_env.env_vars win over it")
 
     @model_validator(mode="after")
     def _cross_field(self) -> AppArgs:
