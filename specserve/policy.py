@@ -223,13 +223,18 @@ class PrefillWatch:
     _busy_s: float = 0.0  # seconds with a prefill of either kind running, up to _since
     _since: float | None = None  # since when one has run (None: none runs)
 
+    @property
+    def running(self) -> int:
+        """Prefills of either kind running now."""
+        return self.active + self.catching_up
+
     def start(self, prefill: bool, now: float, catch_up: bool = False) -> tuple[int, bool, str | None]:
         """A round begins (`prefill`: a prompt's first round; `catch_up`: its draft pool catches
         up); returns its mark."""
         kind = "prefill" if prefill else "catch_up" if catch_up else None
-        mark = (self.events, self.active + self.catching_up > 0, kind)
+        mark = (self.events, self.running > 0, kind)
         if kind is not None:
-            if self.active + self.catching_up == 0:
+            if self.running == 0:
                 self._since = now
             if prefill:
                 self.active += 1
@@ -247,7 +252,7 @@ class PrefillWatch:
             else:
                 self.catching_up -= 1
             self.events += 1
-            if self.active + self.catching_up == 0:
+            if self.running == 0:
                 self._busy_s += now - self._since
                 self._since = None
 
