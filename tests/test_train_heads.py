@@ -203,6 +203,64 @@ def test_continuations_are_the_targets_greedy_ones_in_prompt_order(target):
                    for inputs, outputs, _ in expected)
 
 
+
+def test_interrupted_continuations_resume_from_their_saved_parts(target, tmp_path, monkeypatch):
+    """A generation that stops part way keeps the continuations it finished in part files; the
+    next run skips those prompts, counts their tokens against the budget, and its result is the
+    one an uninterrupted run gives."""
+    from specserve.heads import generated
+
+    prompts = [seq[: 3 + 2 * i] for i, seq in enumerate(TRAIN[:7])]
+    whole = generated.generate_states(target, prompts, max_new_tokens=6, max_tokens=1000, batch_size=2,
+                                      progress=False)
+
+    class Stop(Exception):
+        pass
+
+    parts = tmp_path / "parts"
+    real_save = generated.save_part
+    saves = []
+
+    def save_then_stop(directory, continuations):
+        saves.append(sorted(continuations))
+        path = real_save(directory, continuations)
+        if len(saves) == 2:
+            raise Stop  # the run dies right after its second save
+        return path
+
+    monkeypatch.setattr(generated, "save_part", save_then_stop)
+    with pytest.raises(Stop):
+        generated.generate_states(target, prompts, max_new_tokens=6, max_tokens=1000, batch_size=2,
+                                  progress=False, parts_dir=parts, save_every_s=0)
+    done = [i for part in saves for i in part]
+    assert len(list(parts.glob("part-*.safetensors"))) == 2 and 0 < len(done) < len(prompts)
+    assert sorted(generated.load_parts(parts)) == sorted(done)
+
+    monkeypatch.setattr(generated, "save_part", real_save)
+    started = []
+    real_worker = generated.TorchWorker
+
+    class Watching(real_worker):
+        def run(self, items):
+            started.extend(item.request_id for item in items)
+            return super().run(items)
+
+    monkeypatch.setattr(generated, "TorchWorker", Watching)
+    resumed = generated.generate_states(target, prompts, max_new_tokens=6, max_tokens=1000, batch_size=2,
+                                        progress=False, parts_dir=parts)
+    assert not {f"gen-{i}" for i in done} & set(started)  # the saved prompts were not continued again
+    assert resumed["offsets"].tolist() == whole["offsets"].tolist()
+    assert resumed["tokens"].tolist() == whole["tokens"].tolist()
+    assert resumed["greedy"].tolist() == whole["greedy"].tolist()
+    torch.testing.assert_close(resumed["hidden"], whole["hidden"], atol=1e-4, rtol=1e-4)
+
+    # the budget counts the saved tokens: a budget they already fill continues nothing
+    started.clear()
+    saved_tokens = sum(len(generated.load_parts(parts)[i].outputs) for i in done)
+    small = generated.generate_states(target, prompts, max_new_tokens=6, max_tokens=saved_tokens, batch_size=2,
+                                      progress=False, parts_dir=parts)
+    assert not started and len(small["greedy"]) == saved_tokens
+
 def test_token_map_keeps_the_most_frequent_ids():
     tokens = torch.tensor([5, 5, 5, 2, 2, 9])
     greedy = torch.tensor([7, 7, 7, 7, 2, 1])

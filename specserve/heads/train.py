@@ -4,7 +4,9 @@ weighting).
 1. The target reads the training text once; its last hidden states (after the final norm, what
    the serving worker feeds the heads) and its greedy next tokens are cached on disk under
    `out_dir/cache/`, keyed by the target, the data options and the dtype, so a second run or a
-   resumed one skips this, the slow part.
+   resumed one skips this, the slow part. So are the target's own continuations
+   (`generated.py`), and an interrupted generation keeps its finished continuations there for
+   the next run to pick up.
 2. Head i at position t learns the target's distribution of token t+i+2, which is
    softmax(lm_head(h_{t+i+1})) over the `token_map` rows: the teacher costs one matrix product
    on cached states. Loss = sum_i 0.8^i * cross-entropy(teacher, head i) (Hydra++'s teacher
@@ -34,6 +36,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -675,17 +678,24 @@ def _generated_data(target: Target, options: TrainOptions, prompts, eval_prompts
     }, sort_keys=True).encode()).hexdigest()[:20]
     eos = eos_ids(target.model, target.tokenizer)
 
+    # an interrupted run's finished continuations, picked up by the next run (see generated.py)
+    parts_dir = cache_dir / f"generated-{key}.parts"
+
     def build() -> dict[str, torch.Tensor]:
         parts = {}
         for name, part_prompts, budget in (("gen", prompts, options.generated_tokens),
                                            ("geneval", eval_prompts, options.generated_eval_tokens)):
+            if (parts_dir / name).is_dir():
+                log(f"resuming the {name} continuations from {parts_dir / name}")
             states = generate_states(target.model, part_prompts, max_new_tokens=options.generated_max_new,
                                      max_tokens=budget, eos_token_ids=eos, progress=options.progress,
-                                     desc="held-out continuations" if name == "geneval" else "target continuations")
+                                     desc="held-out continuations" if name == "geneval" else "target continuations",
+                                     parts_dir=parts_dir / name)
             parts.update({f"{name}.{k}": v for k, v in states.items()})
         return parts
 
     tensors, seconds = load_or_build_cache(cache_dir / f"generated-{key}.safetensors", build, log)
+    shutil.rmtree(parts_dir, ignore_errors=True)  # the whole result is cached now
     if seconds:
         count = len(tensors["gen.tokens"]) + len(tensors["geneval.tokens"])
         log(f"target continuations: {count} tokens in {seconds:.1f} s ({count / seconds:.1f} tokens/s)")
