@@ -598,7 +598,11 @@ class MeasuredModes:
     an exploration whose epoch they took most of is dropped and goes on for up to
     `explore_retries` more epochs, so that it measures the mode once the draft pools have
     caught up rather than the switch (measured with the catch-ups in, code at 16 streams ran
-    off although always on was 12% faster).
+    off although always on was 12% faster). And every switch from off to the model (a first
+    measurement or an exploration) opens with a warm-up that measures nothing: at least one
+    epoch, and on until no catch-up runs (at most `max_warm_up_epochs`); the model's epoch
+    starts after it. Without it, the model's first epochs at code 16 ran through 978 and 1350
+    tokens of catch-ups and measured low, and the EMA never recovered from them.
     Below `min_in_flight` requests the model alone decides: a lone request has no other
     requests' costs it cannot see, and at 2 an epoch's goodput swings with whether a prompt's
     prefill fell in it more than the modes differ. The measurements behind each of these
@@ -620,6 +624,7 @@ class MeasuredModes:
     min_in_flight: int = 3
     min_clear_share: float = 0.5  # of an epoch free of prefills (either kind), to be measured
     explore_retries: int = 2  # epochs an exploration goes on while its epochs are dropped
+    max_warm_up_epochs: float = 4.0  # the longest warm-up after a switch to the model
     levels: dict[int, _ModeGoodput] = field(default_factory=dict)
     current: str = "model"
     _started: float | None = None
@@ -628,6 +633,7 @@ class MeasuredModes:
     _prefill_at_start: float = 0.0  # prefill seconds (PrefillWatch.busy_s) when the epoch began
     _exploring: bool = False  # the running epoch runs the mode its level measured worse
     _retries: int = 0  # epochs the running exploration went on after dropped ones
+    warming_up: bool = False  # the running epoch is a switch to the model's warm-up: not measured
 
     @staticmethod
     def level(in_flight: int) -> int:
@@ -650,11 +656,18 @@ class MeasuredModes:
         8%, when new requests probed their first round)."""
         return in_flight >= self.min_in_flight
 
-    def mode(self, now: float, in_flight: int, prefill_s: float = 0.0, prefilling: bool = False) -> str:
+    def mode(self, now: float, in_flight: int, prefill_s: float = 0.0, prefilling: bool = False,
+             catching_up: bool = False) -> str:
         """The mode for a round starting now: "model" (the per-request policy decides) or "off".
-        `prefill_s`: seconds prompt prefills have run so far (PrefillWatch.busy_s); `prefilling`:
-        whether a prompt prefill runs now (PrefillWatch.active)."""
+        `prefill_s`: seconds prefills of either kind have run so far (PrefillWatch.busy_s);
+        `prefilling`: whether a prompt prefill runs now (PrefillWatch.active); `catching_up`:
+        whether a draft pool's catch-up runs now (PrefillWatch.catching_up)."""
         level = self.level(in_flight) if self.measures(in_flight) else 0
+        if self.warming_up and level == self._level:
+            warm_s = now - self._started
+            if warm_s >= self.max_warm_up_epochs * self.epoch_s or (warm_s >= self.epoch_s and not catching_up):
+                self._start(now, level, prefill_s, "model", self._exploring, self._retries)  # now measure it
+            return self.current
         ended = self._started is not None and now - self._started >= self.epoch_s
         measured = ended and self._close(now, level, prefill_s)  # only an epoch that stayed at its level
         if self._started is None or ended or level != self._level:  # (the load moved mid-epoch: a new one)
@@ -668,6 +681,9 @@ class MeasuredModes:
         return self.current
 
     def _start(self, now: float, level: int, prefill_s: float, mode: str, exploring: bool, retries: int = 0) -> None:
+        # a switch to the model warms up first (and a warm-up cut short by a change of level goes on)
+        self.warming_up = mode == "model" and level > 0 and (self.current == "off" or
+                                                             (self.warming_up and self._level != level))
         self._started, self._level, self.current, self._tokens = now, level, mode, 0
         self._prefill_at_start = prefill_s
         self._exploring, self._retries = exploring, retries
@@ -678,7 +694,7 @@ class MeasuredModes:
         # measured something else; so did one that prefills (prompts', draft catch-ups) took most of
         span = now - self._started
         clear_s = span - (prefill_s - self._prefill_at_start)
-        if not (self._level == level and self._level > 0 and span <= 2 * self.epoch_s
+        if self.warming_up or not (self._level == level and self._level > 0 and span <= 2 * self.epoch_s
                 and clear_s >= self.min_clear_share * span):
             return False
         goodput = self._tokens / clear_s

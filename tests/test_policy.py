@@ -364,10 +364,12 @@ def test_explorations_back_off_while_they_confirm_the_better_mode_and_follow_a_c
     winning at that load, the next exploration finds it and the model runs again."""
     modes = MeasuredModes(epoch_s=2.0)
     run = [mode for _, mode in run_modes(modes, [(8, 20, 26)] * 80 + [(8, 30, 20)] * 80, random.Random(5))]
-    explored = [i for i, mode in enumerate(run[:80]) if mode == "model"][1:]  # after the first measurement
+    # each exploration: a warm-up epoch, then the model's measured one
+    explored = [i for i in range(1, 80) if run[i] == "model" and run[i - 1] == "off"]
+    assert all(run[i + 1] == "model" for i in explored)
     assert 3 <= len(explored) <= 5  # every 5th epoch would be 15
-    gaps = [b - a for a, b in zip(explored, explored[1:])]
-    assert gaps == sorted(gaps) and gaps[-1] > 2 * gaps[0]  # ever more rarely
+    waits = [b - a - 2 for a, b in zip(explored, explored[1:])]  # epochs off between explorations
+    assert all(later >= 2 * earlier for earlier, later in zip(waits, waits[1:]))  # ever more rarely
     assert run[-20:].count("model") >= 16  # speculation wins now: found, and kept
     assert modes.levels[MeasuredModes.level(8)].explore_every <= modes.max_explore_every
 
@@ -568,9 +570,10 @@ def test_the_policy_trace_records_a_round_and_what_the_decision_came_from(tmp_pa
     trace = PolicyTrace(str(tmp_path / "trace.jsonl"))
     for mode in ("model", "off"):
         trace.write(trace_line(state, decision, mode=mode, in_flight=3, load=load, catch_up=3,
-                               k=state.round_k(), round_s=0.25, result=result, proposal=None))
+                               k=state.round_k(), round_s=0.25, result=result, proposal=None,
+                               warming_up=mode == "model"))
     lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
-    assert [line["mode"] for line in lines] == ["model", "off"]
+    assert [(line["mode"], line["warming_up"]) for line in lines] == [("model", True), ("off", False)]
     first = lines[0]
     assert first["k"] == decision.k and first["reason"] == decision.reason == "warmup"
     assert first["goodput"] == {str(k): pytest.approx(g, abs=1e-3) for k, g in decision.goodput.items()}
@@ -808,48 +811,85 @@ def test_epochs_neither_measure_the_model_first_nor_explore_while_prompts_prefil
     assert modes.mode(0.0, 8, prefill_s=0.0, prefilling=True) == "off"
     assert modes.mode(4.0, 8, prefill_s=4.0, prefilling=True) == "off"  # still prefilling
     assert modes.levels[level].off is None  # a prefill's epoch is not measured
-    assert modes.mode(8.0, 8, prefill_s=8.0) == "model"  # prefills over: measure the model first
+    assert modes.mode(8.0, 8, prefill_s=8.0) == "model"  # prefills over: measure the model first ...
+    assert modes.warming_up and modes.mode(12.0, 8, prefill_s=8.0) == "model"  # ... after its warm-up
     modes.record(40)
-    assert modes.mode(12.0, 8, prefill_s=8.0) == "off"
+    assert modes.mode(16.0, 8, prefill_s=8.0) == "off"
     modes.record(48)
-    assert modes.mode(16.0, 8, prefill_s=8.0) == "off"  # 12 tok/s against the model's 10
+    assert modes.mode(20.0, 8, prefill_s=8.0) == "off"  # 12 tok/s against the model's 10
     measured = modes.levels[level]
     measured.next_explore = measured.epochs  # an exploration is due
     modes.record(48)
-    assert modes.mode(20.0, 8, prefill_s=8.0, prefilling=True) == "off"  # it waits for the prefill
+    assert modes.mode(24.0, 8, prefill_s=8.0, prefilling=True) == "off"  # it waits for the prefill
     modes.record(48)
-    assert modes.mode(24.0, 8, prefill_s=9.0) == "model"  # and runs once none is running
+    assert modes.mode(28.0, 8, prefill_s=9.0) == "model"  # and runs once none is running
+    assert modes.mode(32.0, 8, prefill_s=9.0) == "model" and not modes.warming_up
     # where the model measured better, a prefill's epoch runs the model
     modes.levels[level].model, modes.levels[level].off = 20.0, 12.0
     modes.record(80)
-    assert modes.mode(28.0, 8, prefill_s=9.0, prefilling=True) == "model"
+    assert modes.mode(36.0, 8, prefill_s=9.0, prefilling=True) == "model"
 
 
-def test_an_exploration_of_the_model_measures_it_after_the_draft_pools_caught_up():
-    """An epoch of the model after epochs off spends its first seconds on every request's
-    draft-pool catch-up (code at 16 streams: 26-356 tokens per request), which the router counts
-    as prefill time. An exploration whose epoch that took most of is dropped and goes on, up to
-    explore_retries more epochs, so it measures the model once caught up (measured with the
-    catch-ups in, code at 16 streams ran off although always on was 12% faster)."""
-    modes = MeasuredModes(epoch_s=4.0, explore_retries=2)
+def test_a_switch_to_the_model_warms_up_until_the_draft_pools_caught_up_then_measures_it():
+    """An epoch of the model after epochs off would spend its first seconds on every request's
+    draft-pool catch-up (code at 16 streams: 26-356 tokens per request), measuring the switch,
+    not the mode: measured so, the model's first epochs at code 16 ran through 978 and 1350
+    tokens of catch-ups, and the level ran off although always on was 12% faster. So a switch
+    to the model warms up, unmeasured, for at least an epoch and on while catch-ups run (at most
+    max_warm_up_epochs), and the model's epoch starts after."""
+    modes = MeasuredModes(epoch_s=4.0, max_warm_up_epochs=4)
     level = MeasuredModes.level(16)
     measured = modes._measured(level)
     measured.model, measured.off, measured.epochs, measured.next_explore = 10.0, 12.0, 6, 6  # off leads; due
     modes.current = "off"
-    assert modes.mode(0.0, 16) == "model"  # the exploration starts
+    assert modes.mode(0.0, 16) == "model" and modes.warming_up  # the exploration starts with a warm-up
     modes.record(8)
-    assert modes.mode(4.0, 16, prefill_s=3.0) == "model"  # catch-ups took 3 s of 4: dropped, it goes on
-    assert (measured.model, measured.epochs) == (10.0, 6)
-    modes.record(64)
-    assert modes.mode(8.0, 16, prefill_s=3.5) == "model"  # caught up: 64 tokens in 3.5 clear s, overturned
-    assert measured.model == pytest.approx(10.0 + 0.3 * (64 / 3.5 - 10.0)) and measured.epochs == 7
-    # an exploration that stays dropped ends after its retries, the better mode runs again, and
-    # the next exploration waits twice as long
+    assert modes.mode(3.0, 16, catching_up=True) == "model" and modes.warming_up
+    assert modes.mode(5.0, 16, prefill_s=4.5, catching_up=True) == "model" and modes.warming_up  # still
+    assert (measured.model, measured.epochs) == (10.0, 6)  # a warm-up measures nothing
+    assert modes.mode(7.0, 16, prefill_s=6.5) == "model" and not modes.warming_up  # caught up: measure
+    modes.record(60)
+    assert modes.mode(11.0, 16, prefill_s=6.5) == "model"  # 60 tokens in 4 s: overturned, model stays
+    assert measured.model == pytest.approx(10.0 + 0.3 * (15.0 - 10.0)) and measured.epochs == 7
+    assert not modes.warming_up  # staying on the model needs no warm-up
+
+    # catch-ups that never end (requests keep arriving) end the warm-up at its cap
+    modes = MeasuredModes(epoch_s=4.0, max_warm_up_epochs=4)
+    modes.current = "off"
+    assert modes.mode(0.0, 16) == "model" and modes.warming_up  # first measurement of the model
+    assert modes.mode(15.0, 16, catching_up=True) == "model" and modes.warming_up
+    assert modes.mode(16.0, 16, catching_up=True) == "model" and not modes.warming_up
+    # a switch to off needs none, nor does the model below the measured levels
+    modes = MeasuredModes(epoch_s=4.0)
+    modes.mode(0.0, 16)
+    assert not modes.warming_up and modes.mode(4.0, 16) == "off" and not modes.warming_up
+    assert modes.mode(5.0, 2) == "model" and not modes.warming_up
+
+
+def test_an_exploration_whose_epochs_prefills_took_goes_on_then_backs_off():
+    """An exploration's epoch that prompt prefills (or late catch-ups) took most of is dropped
+    and goes on, up to explore_retries more epochs; one that stays dropped ends, the better mode
+    runs again, and the next exploration waits twice as long."""
+    level = MeasuredModes.level(16)
     modes = MeasuredModes(epoch_s=4.0, explore_retries=2)
     measured = modes._measured(level)
     measured.model, measured.off, measured.epochs, measured.next_explore = 10.0, 12.0, 6, 6
     modes.current = "off"
-    assert [modes.mode(t, 16, prefill_s=t) for t in (0.0, 4.0, 8.0, 12.0)] == ["model"] * 3 + ["off"]
+    assert modes.mode(0.0, 16) == "model" and modes.warming_up
+    assert modes.mode(4.0, 16, prefill_s=0.0) == "model" and not modes.warming_up  # warmed up
+    modes.record(8)
+    assert modes.mode(8.0, 16, prefill_s=3.0) == "model"  # prefills took 3 s of 4: dropped, it goes on
+    assert (measured.model, measured.epochs) == (10.0, 6)
+    modes.record(64)
+    assert modes.mode(12.0, 16, prefill_s=3.5) == "model"  # 64 tokens in 3.5 clear s, overturned
+    assert measured.model == pytest.approx(10.0 + 0.3 * (64 / 3.5 - 10.0)) and measured.epochs == 7
+
+    modes = MeasuredModes(epoch_s=4.0, explore_retries=2)
+    measured = modes._measured(level)
+    measured.model, measured.off, measured.epochs, measured.next_explore = 10.0, 12.0, 6, 6
+    modes.current = "off"
+    assert [modes.mode(t, 16, prefill_s=max(0.0, t - 4)) for t in (0.0, 4.0, 8.0, 12.0, 16.0)] == \
+        ["model"] * 4 + ["off"]  # warm-up, then the exploration and its 2 retries, all dropped
     assert (measured.model, measured.epochs) == (10.0, 6)
     assert measured.explore_every == 2 * modes.explore_every and measured.next_explore == 6 + measured.explore_every
 

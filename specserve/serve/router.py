@@ -244,8 +244,10 @@ class Router(GrpcApi):
                 self.load.in_flight = self.in_rounds
                 # only requests the policy steers take part in (and are measured by) its epochs
                 mode = (self.modes.mode(round_start, self.in_rounds, self.prefills.busy_s(round_start),
-                                        prefilling=self.prefills.active > 0 or prefill)
+                                        prefilling=self.prefills.active > 0 or prefill,
+                                        catching_up=self.prefills.catching_up > 0)
                         if state.adaptive else "model")
+                warming_up = state.adaptive and self.modes.warming_up
                 catch_up = len(state.prompt_ids) + len(state.output_ids) - state.draft_synced  # unseen by the draft
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off",
                                             measured_level=self.modes.measures(self.in_rounds))
@@ -273,7 +275,7 @@ class Router(GrpcApi):
                 if self.trace is not None:
                     self.trace.write(trace_line(state, decision, mode=mode, in_flight=self.in_rounds, load=self.load,
                                                 catch_up=catch_up, k=state.round_k(), result=result, proposal=proposal,
-                                                round_s=wall))
+                                                round_s=wall, warming_up=warming_up))
                 counts = SpecCounts.of(state.stats)
                 emitted = state.commit(result, verify.draft)
                 if state.adaptive:
