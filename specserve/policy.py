@@ -199,9 +199,10 @@ class PrefillWatch:
     on a 2-core CPU, in passes it did not count as its own): a wait once per arriving request
     or per switch of the draft back on, not a constant every round pays, so it must not be
     learnt as round overhead. Learnt as one, it made every depth look better than off. For the
-    same reason `MeasuredModes` takes the time prefills ran out of an epoch (`busy_s`): an
-    epoch of the model that follows epochs off spent its first seconds on catch-ups, which
-    measure the switch, not the mode.
+    same reason `MeasuredModes` takes the time prompt prefills ran out of each round it
+    measures (`busy_s`: prompts only; prompts arrive in either mode, while a draft pool's
+    catch-up for a new request is a cost of speculating, and the ones after a switch fall in
+    `MeasuredModes`' warm-up).
 
     >>> watch = PrefillWatch()
     >>> mine = watch.start(prefill=False, now=0.0)   # a decode round begins
@@ -213,14 +214,14 @@ class PrefillWatch:
     >>> catch_up = watch.start(prefill=False, now=4.0, catch_up=True)  # a draft pool catches up
     >>> watch.active, watch.catching_up
     (0, 1)
-    >>> watch.end(catch_up, now=5.0); watch.busy_s(now=6.0)
-    3.0
+    >>> watch.end(catch_up, now=5.0); watch.busy_s(now=6.0)   # prompts' prefill time only
+    2.0
     """
 
     active: int = 0  # requests in their first (prompt-prefill) round
     catching_up: int = 0  # rounds whose draft pool catches up on tokens it has not seen
     events: int = 0  # prefills of either kind started or ended so far
-    _busy_s: float = 0.0  # seconds with a prefill of either kind running, up to _since
+    _busy_s: float = 0.0  # seconds with a prompt prefill running, up to _since
     _since: float | None = None  # since when one has run (None: none runs)
 
     @property
@@ -234,9 +235,9 @@ class PrefillWatch:
         kind = "prefill" if prefill else "catch_up" if catch_up else None
         mark = (self.events, self.running > 0, kind)
         if kind is not None:
-            if self.running == 0:
-                self._since = now
             if prefill:
+                if self.active == 0:
+                    self._since = now
                 self.active += 1
             else:
                 self.catching_up += 1
@@ -249,12 +250,12 @@ class PrefillWatch:
         if kind is not None:
             if kind == "prefill":
                 self.active -= 1
+                if self.active == 0:
+                    self._busy_s += now - self._since
+                    self._since = None
             else:
                 self.catching_up -= 1
             self.events += 1
-            if self.running == 0:
-                self._busy_s += now - self._since
-                self._since = None
 
     def clear(self, mark: tuple[int, bool, str | None]) -> bool:
         """Whether the round of `mark` (no prefill itself) saw no prefill of either kind from
@@ -263,7 +264,7 @@ class PrefillWatch:
         return kind is None and not busy and self.events == events
 
     def busy_s(self, now: float) -> float:
-        """Seconds so far during which at least one prefill of either kind ran."""
+        """Seconds so far during which at least one prompt prefill ran."""
         return self._busy_s + (now - self._since if self._since is not None else 0.0)
 
 
@@ -568,6 +569,16 @@ class _ModeGoodput:
     next_explore: int = 5  # the epoch count at which the next exploration runs
 
 
+@dataclass(frozen=True)
+class RoundTicket:
+    """What `MeasuredModes.begin` gave a round: the mode it runs, the epoch it began in, and
+    whether that epoch measures it (it began inside the epoch's window)."""
+
+    mode: str
+    epoch: int
+    counted: bool
+
+
 @dataclass
 class MeasuredModes:
     """A check on the model that measures instead of predicting: per concurrency level, the
@@ -578,62 +589,81 @@ class MeasuredModes:
     prefills, two pools contending for the same cores, calls queued behind other requests'
     drafts); where those make speculation lose, only a measurement shows it.
 
-    How: time is cut into epochs of `epoch_s`, each running one mode ("model" or "off") for
-    every request the policy steers (with a draft pool, "model" has every request speculate as
-    deep as the model says: see RequestState.plan_round). A request with a fixed setting
-    neither follows the epochs nor counts in them: it would credit both modes with the same
-    tokens. An epoch's goodput, over its time free of prompt prefills, goes to the EMA of its
-    mode at its level (log2 buckets of requests in flight). An epoch is dropped when its level
-    changed, when no round ended within two epochs, or when less than `min_clear_share` of it
-    was free of prefills (requests that arrive together prefill first, and such epochs
-    measured the wave's phase, not the mode); while a prompt prefills, an epoch takes no first
-    measurement and no exploration (`_next`). The next epoch runs the better mode, switching
-    only for more than `hysteresis`. Now and then an epoch runs the other mode so both
-    estimates stay current: first after `explore_every` epochs at a level; each exploration
-    that leaves the decision as it was (ties included) doubles the wait, up to
-    `max_explore_every`, and one that overturns it resets the wait. Exploring costs: an epoch
+    How: time is cut into epochs, each running one mode ("model" or "off") for every request
+    the policy steers (with a draft pool, "model" has every request speculate as deep as the
+    model says: see RequestState.plan_round). A request with a fixed setting neither follows the
+    epochs nor counts in them: it would credit both modes with the same tokens. An epoch is a
+    window of round starts, at least `epoch_s` long and until as many rounds began in it as
+    requests were in flight, then a tail in the same mode until every round that began in the
+    window has ended; the next epoch starts then. The epoch measures exactly the rounds that
+    began in its window, each whole: goodput = their tokens / their seconds (each round's wall
+    time less the prompt prefills it overlapped: those come with arrivals in either mode) x
+    requests in flight. Why rounds, not the tokens any round emitted in the epoch: at 16
+    streams on this CPU a round of the model takes ~5 s and one off ~1.5 s, longer than a 4-s
+    epoch, so an epoch counted mostly rounds that began in the one before, in the other mode,
+    and its own rounds' tokens went to the next. A round's first (the prompt's prefill) is not
+    counted. The goodput goes to the EMA of the epoch's mode at its level (log2 buckets of
+    requests in flight); an epoch whose level changed, or that did not close within
+    `max_epoch_s` (rounds hanging), measures nothing. While a prompt prefills, an epoch takes no
+    first measurement and no exploration (`_next`). The next epoch runs the better mode,
+    switching only for more than `hysteresis`. Now and then an epoch runs the other mode so
+    both estimates stay current: first after `explore_every` epochs at a level; each
+    exploration that leaves the decision as it was (ties included) doubles the wait, up to
+    `max_explore_every`, and one that overturns it resets the wait; an exploration that
+    measured nothing goes on for up to `explore_retries` more epochs. Exploring costs: an epoch
     of the model after epochs off has every request's draft pool catch up on all it emitted
-    meanwhile, a burst of draft prefills that splits the target's passes for a while after.
-    Those catch-ups count as prefills (PrefillWatch): their time is taken out of the epoch, and
-    an exploration whose epoch they took most of is dropped and goes on for up to
-    `explore_retries` more epochs, so that it measures the mode once the draft pools have
-    caught up rather than the switch (measured with the catch-ups in, code at 16 streams ran
-    off although always on was 12% faster). And every switch from off to the model (a first
-    measurement or an exploration) opens with a warm-up that measures nothing: at least one
-    epoch, and on until no catch-up runs (at most `max_warm_up_epochs`); the model's epoch
-    starts after it. Without it, the model's first epochs at code 16 ran through 978 and 1350
-    tokens of catch-ups and measured low, and the EMA never recovered from them.
+    meanwhile, a burst of draft prefills that splits the target's passes for a while after. So
+    every switch from off to the model (a first measurement or an exploration) opens with a
+    warm-up that measures nothing: at least `epoch_s`, and on until no catch-up runs (at most
+    `max_warm_up_epochs` epochs); the model's window opens after it (measured with the
+    catch-ups in, the model's first epochs at code 16 ran through 978 and 1350 tokens of them
+    and measured low, and the level ran off although always on was 12% faster).
     Below `min_in_flight` requests the model alone decides: a lone request has no other
     requests' costs it cannot see, and at 2 an epoch's goodput swings with whether a prompt's
     prefill fell in it more than the modes differ. The measurements behind each of these
     choices: docs/bench/adaptive-history.md.
 
         >>> modes = MeasuredModes(epoch_s=1.0)
-        >>> modes.mode(now=0.0, in_flight=8)   # first epoch at 8 requests: measure the model
-        'model'
-        >>> modes.record(10)                    # 10 tokens in that epoch
-        >>> modes.mode(now=1.0, in_flight=8)   # then measure "off"
+        >>> first = modes.begin(now=0.0, in_flight=3)   # first epoch at 3 requests: the model
+        >>> first.mode, first.counted
+        ('model', True)
+        >>> modes.end(first, tokens=4, seconds=0.5)
+        >>> rounds = [modes.begin(now=t, in_flight=3) for t in (0.5, 1.0, 1.5)]  # 2 more in the window, 1 in the tail
+        >>> [r.counted for r in rounds]
+        [True, True, False]
+        >>> for r in rounds:
+        ...     modes.end(r, tokens=4, seconds=0.5)
+        >>> modes.begin(now=2.0, in_flight=3).mode   # the window's rounds ended: measure "off" next
         'off'
+        >>> modes.levels[MeasuredModes.level(3)].model   # 12 tokens in 1.5 round-seconds x 3 requests
+        24.0
     """
 
     epoch_s: float = 4.0
+    max_epoch_s: float = 40.0  # an epoch not closed by then measures nothing
     explore_every: int = 5  # epochs before a level's first exploration (then backing off)
     max_explore_every: int = 40
     hysteresis: float = 0.05
     weight: float = 0.3  # an epoch's weight in its mode's EMA
     min_in_flight: int = 3
-    min_clear_share: float = 0.5  # of an epoch free of prefills (either kind), to be measured
-    explore_retries: int = 2  # epochs an exploration goes on while its epochs are dropped
+    explore_retries: int = 2  # epochs an exploration goes on while its epochs measure nothing
     max_warm_up_epochs: float = 4.0  # the longest warm-up after a switch to the model
     levels: dict[int, _ModeGoodput] = field(default_factory=dict)
     current: str = "model"
-    _started: float | None = None
-    _level: int | None = None
-    _tokens: int = 0
-    _prefill_at_start: float = 0.0  # prefill seconds (PrefillWatch.busy_s) when the epoch began
-    _exploring: bool = False  # the running epoch runs the mode its level measured worse
-    _retries: int = 0  # epochs the running exploration went on after dropped ones
     warming_up: bool = False  # the running epoch is a switch to the model's warm-up: not measured
+    epoch: int = 0  # the running epoch's number
+    _started: float | None = None  # when the running epoch (its warm-up, then its window) began
+    _level: int | None = None
+    _window: bool = False  # round starts count now
+    _needed: int = 0  # round starts the window waits for
+    _starts: int = 0  # rounds that began in the window ...
+    _open: int = 0  # ... of which not yet ended
+    _ended: int = 0  # ... and ended with their tokens
+    _tokens: int = 0
+    _seconds: float = 0.0
+    _in_flight: int = 0  # summed over the window's round starts
+    _exploring: bool = False  # the running epoch runs the mode its level measured worse
+    _retries: int = 0  # epochs the running exploration went on after ones that measured nothing
 
     @staticmethod
     def level(in_flight: int) -> int:
@@ -642,10 +672,6 @@ class MeasuredModes:
         (one is often between rounds), stay in one level: floored, 4 streams flipped between
         2-3 and 4-7 and each flip dropped the epoch."""
         return max(0, round(math.log2(in_flight))) if in_flight >= 1 else 0
-
-    def record(self, tokens: int) -> None:
-        """Tokens a round emitted (any request this router carries)."""
-        self._tokens += tokens
 
     def measures(self, in_flight: int) -> bool:
         """Whether this many requests in flight are a level these epochs measure. There the
@@ -656,49 +682,77 @@ class MeasuredModes:
         8%, when new requests probed their first round)."""
         return in_flight >= self.min_in_flight
 
-    def mode(self, now: float, in_flight: int, prefill_s: float = 0.0, prefilling: bool = False,
-             catching_up: bool = False) -> str:
-        """The mode for a round starting now: "model" (the per-request policy decides) or "off".
-        `prefill_s`: seconds prefills of either kind have run so far (PrefillWatch.busy_s);
-        `prefilling`: whether a prompt prefill runs now (PrefillWatch.active); `catching_up`:
-        whether a draft pool's catch-up runs now (PrefillWatch.catching_up)."""
+    def begin(self, now: float, in_flight: int, *, prefilling: bool = False, catching_up: bool = False,
+              first_round: bool = False) -> RoundTicket:
+        """A round of a steered request begins now: its mode, "model" (the per-request policy
+        decides) or "off". `prefilling`: a prompt prefill runs now (PrefillWatch.active, this
+        round's own included); `catching_up`: a draft pool's catch-up runs now
+        (PrefillWatch.catching_up); `first_round`: this round prefills its prompt (never
+        counted). Hand the ticket to `end` when the round ends, however it ends."""
         level = self.level(in_flight) if self.measures(in_flight) else 0
-        if self.warming_up and level == self._level:
-            warm_s = now - self._started
-            if warm_s >= self.max_warm_up_epochs * self.epoch_s or (warm_s >= self.epoch_s and not catching_up):
-                self._start(now, level, prefill_s, "model", self._exploring, self._retries)  # now measure it
-            return self.current
-        ended = self._started is not None and now - self._started >= self.epoch_s
-        measured = ended and self._close(now, level, prefill_s)  # only an epoch that stayed at its level
-        if self._started is None or ended or level != self._level:  # (the load moved mid-epoch: a new one)
-            dropped_exploration = ended and not measured and self._exploring and level == self._level
-            if dropped_exploration and self._retries < self.explore_retries:  # the exploration goes on
-                self._start(now, level, prefill_s, self.current, True, self._retries + 1)
-            else:
-                if dropped_exploration:  # given up: wait as after one that left the decision as it was
-                    self._back_off(self._measured(level), overturned=False)
-                self._start(now, level, prefill_s, *(("model", False) if level == 0 else self._next(level, prefilling)))
-        return self.current
+        self._advance(now, level, in_flight, prefilling, catching_up)
+        counted = self._window and not first_round
+        if counted:
+            self._starts += 1
+            self._open += 1
+            self._in_flight += in_flight
+        return RoundTicket(self.current, self.epoch, counted)
 
-    def _start(self, now: float, level: int, prefill_s: float, mode: str, exploring: bool, retries: int = 0) -> None:
+    def end(self, ticket: RoundTicket, tokens: int | None, seconds: float = 0.0) -> None:
+        """The round of `ticket` ended, having emitted `tokens` in `seconds` of its own time
+        (its wall time less the prompt prefills it overlapped); tokens None: it failed."""
+        if ticket.counted and ticket.epoch == self.epoch:
+            self._open -= 1
+            if tokens is not None and seconds > 0:
+                self._ended += 1
+                self._tokens += tokens
+                self._seconds += seconds
+
+    def _advance(self, now: float, level: int, in_flight: int, prefilling: bool, catching_up: bool) -> None:
+        """Move the epochs on to `now`: end a warm-up, close a window, or close the epoch and
+        start the next."""
+        if level == 0:  # below the measured levels the model decides: no epochs
+            if self._level != 0:
+                self._start(now, 0, in_flight, "model", False)
+            return
+        if self._started is None or level != self._level:  # the load moved: the epoch measures nothing
+            self._start(now, level, in_flight, *self._next(level, prefilling))
+            return
+        elapsed = now - self._started
+        if self.warming_up:
+            if elapsed >= self.max_warm_up_epochs * self.epoch_s or (elapsed >= self.epoch_s and not catching_up):
+                self._start(now, level, in_flight, "model", self._exploring, self._retries)  # now measure it
+            return
+        if self._window and elapsed >= self.epoch_s and self._starts >= self._needed:
+            self._window = False  # the tail: rounds still begin in this mode, uncounted
+        if (self._window or self._open) and elapsed < self.max_epoch_s:
+            return
+        measured = not self._window and not self._open and self._close()
+        if not measured and self._exploring and self._retries < self.explore_retries:  # the exploration goes on
+            self._start(now, level, in_flight, self.current, True, self._retries + 1)
+            return
+        if not measured and self._exploring:  # given up: wait as after one that left the decision as it was
+            self._back_off(self._measured(level), overturned=False)
+        self._start(now, level, in_flight, *self._next(level, prefilling))
+
+    def _start(self, now: float, level: int, in_flight: int, mode: str, exploring: bool, retries: int = 0) -> None:
         # a switch to the model warms up first (and a warm-up cut short by a change of level goes on)
         self.warming_up = mode == "model" and level > 0 and (self.current == "off" or
                                                              (self.warming_up and self._level != level))
-        self._started, self._level, self.current, self._tokens = now, level, mode, 0
-        self._prefill_at_start = prefill_s
+        self.epoch += 1
+        self._started, self._level, self.current = now, level, mode
+        self._window = level > 0 and not self.warming_up
+        self._needed = max(in_flight, self.min_in_flight)
+        self._starts = self._open = self._ended = self._tokens = self._in_flight = 0
+        self._seconds = 0.0
         self._exploring, self._retries = exploring, retries
 
-    def _close(self, now: float, level: int, prefill_s: float) -> bool:
-        """Measure the epoch that ends now, if it measured its mode; returns whether it did."""
-        # an epoch no round closed in time (idle, or only requests the policy does not steer)
-        # measured something else; so did one that prefills (prompts', draft catch-ups) took most of
-        span = now - self._started
-        clear_s = span - (prefill_s - self._prefill_at_start)
-        if self.warming_up or not (self._level == level and self._level > 0 and span <= 2 * self.epoch_s
-                and clear_s >= self.min_clear_share * span):
+    def _close(self) -> bool:
+        """Measure the epoch whose rounds all ended; returns whether it measured its mode."""
+        if not self._ended:
             return False
-        goodput = self._tokens / clear_s
-        measured = self._measured(level)
+        goodput = self._tokens / self._seconds * self._in_flight / self._starts
+        measured = self._measured(self._level)
         last = getattr(measured, self.current)
         setattr(measured, self.current, goodput if last is None else last + self.weight * (goodput - last))
         measured.epochs += 1
@@ -725,8 +779,8 @@ class MeasuredModes:
     def _next(self, level: int, prefilling: bool = False) -> tuple[str, bool]:
         """The mode of the next epoch at `level`, and whether it explores. While prompts
         prefill, an epoch neither takes a first measurement nor explores: an epoch of the model
-        would make the draft pool catch up exactly while the target prefills, and be dropped or
-        measure the prefills; it runs the better mode so far, off until both are measured."""
+        would make the draft pool catch up exactly while the target prefills; it runs the
+        better mode so far, off until both are measured."""
         measured = self._measured(level)
         if prefilling and (measured.model is None or measured.off is None):
             return "off", False

@@ -318,43 +318,64 @@ def test_request_state_follows_the_policy_and_records_its_decisions():
     assert usage["policy"] == "adaptive"
 
 
-def run_modes(modes: MeasuredModes, trace, rng: random.Random, noise: float = 0.2) -> list[tuple[int, str]]:
-    """Drive MeasuredModes through a trace of (in flight, goodput with the model's choice,
-    goodput with speculation off) per epoch, rounds of 0.25 s; returns (in flight, mode) per epoch."""
-    now, modes_run = 0.0, []
-    for in_flight, model_goodput, off_goodput in trace:
-        mode = modes.mode(now, in_flight)
-        modes_run.append((in_flight, mode))
-        epoch_end = now + modes.epoch_s
-        while now < epoch_end:
-            rate = model_goodput if mode == "model" else off_goodput
-            modes.record(round(rate * 0.25 * (1 + rng.uniform(-noise, noise))))
-            now += 0.25
-            if now < epoch_end:
-                assert modes.mode(now, in_flight) == mode  # one mode per epoch
-    return modes_run
+def run_modes(modes: MeasuredModes, segments, rng: random.Random, noise: float = 0.2) -> list[dict]:
+    """Drive MeasuredModes with requests that run rounds back to back, as the router's do.
+    `segments`: (seconds, requests in flight, goodput with the model's choice, goodput with
+    speculation off), all requests together; a round off emits 1 token, one of the model 2, and
+    each lasts what its mode's goodput gives a request, +-`noise`. Returns the epochs begun, in
+    order: {"epoch", "t", "in_flight", "mode", "warm_up"}."""
+    import heapq
+
+    epochs, now, order = [], 0.0, 0
+    for seconds, in_flight, model_goodput, off_goodput in segments:
+        end = now + seconds
+        ready = [(now, i, None, 0.0) for i in range(in_flight)]  # (when, order, the round ending then, its s)
+        order = in_flight
+        while ready:
+            now, _, ticket, round_s = heapq.heappop(ready)
+            if ticket is not None:
+                modes.end(ticket, 2 if ticket.mode == "model" else 1, round_s)
+            if now >= end:
+                continue  # the segment is over: this request's rounds stop
+            ticket = modes.begin(now, in_flight)
+            if not epochs or epochs[-1]["epoch"] != modes.epoch:
+                epochs.append({"epoch": modes.epoch, "t": now, "in_flight": in_flight, "mode": ticket.mode,
+                               "warm_up": modes.warming_up})
+            tokens = 2 if ticket.mode == "model" else 1
+            round_s = tokens * in_flight / (model_goodput if ticket.mode == "model" else off_goodput)
+            round_s *= 1 + rng.uniform(-noise, noise)
+            order += 1
+            heapq.heappush(ready, (now + round_s, order, ticket, round_s))
+        now = end
+    return epochs
+
+
+def measured_epochs(epochs: list[dict]) -> list[str]:
+    """The modes of the epochs that measure (warm-ups left out)."""
+    return [e["mode"] for e in epochs if not e["warm_up"]]
 
 
 def test_measured_goodput_turns_speculation_off_where_it_loses_and_back_on_when_load_falls():
     """At 8 requests speculating measures 20 tok/s and off 26 (the default pair on 2 cores, where
     the per-round model sees too little of speculation's cost); alone, speculation wins."""
     modes = MeasuredModes(epoch_s=2.0)
-    trace = [(1, 10, 7.5)] * 10 + [(8, 20, 26)] * 40 + [(1, 10, 7.5)] * 10
-    run = run_modes(modes, trace, random.Random(3))
-    assert all(mode == "model" for _, mode in run[:10])  # a lone request: the model decides, no exploring
-    loaded = [mode for _, mode in run[10:50]]
+    epochs = run_modes(modes, [(20, 1, 10, 7.5), (200, 8, 20, 26), (20, 1, 10, 7.5)], random.Random(3))
+    alone = [e for e in epochs if e["in_flight"] == 1]
+    assert all(e["mode"] == "model" for e in alone) and len({e["t"] >= 200 for e in alone}) == 2
+    loaded = measured_epochs([e for e in epochs if e["in_flight"] == 8])
     assert loaded[:2] == ["model", "off"]  # both measured first
-    assert loaded.count("off") >= 30  # then mostly off ...
-    assert 4 <= loaded.count("model") <= 10  # ... measuring the model again now and then
-    assert all(mode == "model" for _, mode in run[50:])  # load gone: back to the model
+    assert loaded.count("off") >= 0.75 * len(loaded)  # then mostly off ...
+    assert 2 <= loaded.count("model") <= 8  # ... measuring the model again now and then
+    assert modes.current == "model" and modes.levels[MeasuredModes.level(8)].off > \
+        modes.levels[MeasuredModes.level(8)].model
 
 
 def test_measured_goodput_keeps_the_model_where_speculation_wins_and_does_not_flap():
-    """Speculation 30% better at 4 requests, noisy epochs: off runs only to re-measure it."""
+    """Speculation 30% better at 4 requests, noisy rounds: off runs only to re-measure it."""
     modes = MeasuredModes(epoch_s=2.0)
-    run = run_modes(modes, [(4, 13, 10)] * 60, random.Random(4), noise=0.3)
-    off = [i for i, (_, mode) in enumerate(run) if mode == "off"]
-    assert 1 <= len(off) <= 60 // modes.explore_every + 1
+    runs = measured_epochs(run_modes(modes, [(300, 4, 13, 10)], random.Random(4), noise=0.3))
+    off = [i for i, mode in enumerate(runs) if mode == "off"]
+    assert 1 <= len(off) <= len(runs) // modes.explore_every + 1
     assert all(b - a > 1 for a, b in zip(off, off[1:]))  # never two off epochs in a row
 
 
@@ -363,14 +384,16 @@ def test_explorations_back_off_while_they_confirm_the_better_mode_and_follow_a_c
     while explorations keep confirming off, they come ever more rarely; when speculation starts
     winning at that load, the next exploration finds it and the model runs again."""
     modes = MeasuredModes(epoch_s=2.0)
-    run = [mode for _, mode in run_modes(modes, [(8, 20, 26)] * 80 + [(8, 30, 20)] * 80, random.Random(5))]
-    # each exploration: a warm-up epoch, then the model's measured one
-    explored = [i for i in range(1, 80) if run[i] == "model" and run[i - 1] == "off"]
-    assert all(run[i + 1] == "model" for i in explored)
-    assert 3 <= len(explored) <= 5  # every 5th epoch would be 15
-    waits = [b - a - 2 for a, b in zip(explored, explored[1:])]  # epochs off between explorations
-    assert all(later >= 2 * earlier for earlier, later in zip(waits, waits[1:]))  # ever more rarely
-    assert run[-20:].count("model") >= 16  # speculation wins now: found, and kept
+    epochs = run_modes(modes, [(300, 8, 20, 26), (300, 8, 30, 20)], random.Random(5))
+    first = measured_epochs([e for e in epochs if e["t"] < 300])
+    explored = [i for i in range(2, len(first)) if first[i] == "model"]  # after the first measurements
+    assert 3 <= len(explored) <= 6  # every 5th epoch would be 15 or more
+    waits = [b - a for a, b in zip(explored, explored[1:])]  # epochs off between explorations
+    assert waits == sorted(waits) and waits[-1] >= 2 * waits[0]  # ever more rarely (up to max_explore_every)
+    assert measured_epochs(epochs)[-10:].count("model") >= 8  # speculation wins now: found, and kept
+    # each exploration of the model opened with a warm-up
+    assert all(before["warm_up"] for before, e in zip(epochs, epochs[1:])
+               if e["t"] < 300 and e["mode"] == "model" and not e["warm_up"])
     assert modes.levels[MeasuredModes.level(8)].explore_every <= modes.max_explore_every
 
 
@@ -378,33 +401,50 @@ def test_explorations_back_off_where_the_modes_tie():
     """Where speculating and not measure the same (within the hysteresis), no exploration can
     change much, and each one costs: they come ever more rarely too, whichever mode runs."""
     modes = MeasuredModes(epoch_s=2.0)
-    run = [mode for _, mode in run_modes(modes, [(8, 25, 25.5)] * 120, random.Random(7), noise=0.01)]
-    switches = [i for i in range(2, len(run)) if run[i] != run[i - 1]]
-    assert 3 <= len(switches) <= 8  # resetting to every 5th epoch on ties: 20 switches
+    runs = measured_epochs(run_modes(modes, [(500, 8, 25, 25.5)], random.Random(7), noise=0.01))
+    switches = [i for i in range(2, len(runs)) if runs[i] != runs[i - 1]]
+    assert 3 <= len(switches) <= 10  # resetting to every 5th epoch on ties: more than 30
     assert modes.levels[MeasuredModes.level(8)].explore_every > modes.explore_every
+
+
+def test_an_epoch_measures_the_rounds_that_began_in_it_whole():
+    """At 16 streams on this CPU a round of the model took ~5 s and one off ~1.5 s, longer than
+    a 4-s epoch: counting the tokens of whatever rounds ended in an epoch credited each mode with
+    the other's rounds. An epoch counts the rounds that began in its window, each whole even
+    where it ends after the window (the tail runs the same mode until they have), and no round
+    that began before it; goodput = their tokens / their seconds x requests in flight."""
+    modes = MeasuredModes(epoch_s=4.0)
+    before = modes.begin(0.0, 4)  # 4 requests; this epoch needs 4 round starts and 4 s
+    others = [modes.begin(t, 4) for t in (0.1, 0.2, 0.3)]
+    assert all(r.counted and r.mode == "model" for r in [before, *others])
+    long = modes.begin(3.9, 4)  # still in the window: counted, whole, though it ends at 9.9
+    late = modes.begin(4.5, 4)  # after the window: the tail, same mode, not counted
+    assert long.counted and not late.counted and late.mode == "model"
+    for r in (before, *others):
+        modes.end(r, 4, 3.0)
+    assert modes.begin(8.0, 4).mode == "model"  # `long` still runs: the epoch waits for it
+    assert modes.levels[MeasuredModes.level(4)].model is None
+    modes.end(late, 2, 2.0)  # not counted
+    modes.end(long, 8, 6.0)
+    nxt = modes.begin(10.0, 4)
+    assert nxt.mode == "off" and nxt.counted  # measured: the next epoch opens at once
+    assert modes.levels[MeasuredModes.level(4)].model == pytest.approx((4 * 4 + 8) / (4 * 3.0 + 6.0) * 4)
+    modes.end(before, 100, 1.0)  # a round of an epoch gone counts nowhere
+    assert modes._tokens == 0
 
 
 def test_an_epoch_whose_load_changed_measures_nothing():
     modes = MeasuredModes(epoch_s=1.0)
-    assert modes.mode(0.0, 8) == "model"
-    modes.record(100)
-    assert modes.mode(0.5, 4) == "model"  # 8 -> 4 requests mid-epoch: dropped, a new epoch at 4
-    modes.record(100)
-    assert modes.mode(1.5, 4) == "off"
+    first = modes.begin(0.0, 8)
+    assert first.mode == "model"
+    second = modes.begin(0.5, 4)  # 8 -> 4 requests mid-epoch: nothing measured, a new epoch at 4
+    assert second.mode == "model" and second.epoch != first.epoch
+    modes.end(first, 100, 1.0)
+    modes.end(second, 10, 1.0)
+    [modes.end(modes.begin(t, 4), 10, 1.0) for t in (0.6, 0.7, 0.8, 1.5)]
+    assert modes.begin(1.6, 4).mode == "off"
     assert modes.levels[MeasuredModes.level(8)].model is None
-    assert modes.levels[MeasuredModes.level(4)].model == pytest.approx(100 / 1.0)
-
-
-def test_a_few_requests_are_left_to_the_model():
-    """At 2 requests a 4 s epoch holds a prompt's prefill or two, which swing its goodput
-    more than the modes differ (code at 2 streams: 4.5-10.6 tok/s epochs in either mode), and an
-    off epoch leaves every request a draft-pool catch-up that keeps the next model epoch off:
-    there the model alone decides."""
-    modes = MeasuredModes(epoch_s=1.0)
-    for second in range(20):
-        assert modes.mode(float(second), 2) == "model"
-        modes.record(100)
-    assert modes.levels == {}
+    assert modes.levels[MeasuredModes.level(4)].model == pytest.approx(10 / 1.0 * 4)
 
 
 def test_n_streams_stay_in_one_level():
@@ -480,18 +520,6 @@ def test_no_probing_from_off_when_speculation_clearly_loses():
     tracker.ages = [10 ** 6] * 8
     decision = SpeculationPolicy().choose(tracker, load, current=0, max_k=4, batch=64)
     assert decision.k == 0 and decision.reason == "model"
-
-
-def test_an_epoch_no_round_closed_in_time_measures_nothing():
-    """Requests the policy steers stopped for a while (only fixed-setting requests ran, or none):
-    the epoch they left open is not a measurement of its mode."""
-    modes = MeasuredModes(epoch_s=1.0)
-    assert modes.mode(0.0, 4) == "model"
-    modes.record(100)
-    assert modes.mode(30.0, 4) == "model"  # 30 s later: dropped, so the model is measured again
-    assert modes.levels[MeasuredModes.level(4)].model is None
-    modes.record(10)
-    assert modes.mode(31.0, 4) == "off" and modes.levels[MeasuredModes.level(4)].model == pytest.approx(10)
 
 
 def test_only_requests_the_policy_steers_are_adaptive():
@@ -571,9 +599,10 @@ def test_the_policy_trace_records_a_round_and_what_the_decision_came_from(tmp_pa
     for mode in ("model", "off"):
         trace.write(trace_line(state, decision, mode=mode, in_flight=3, load=load, catch_up=3,
                                k=state.round_k(), round_s=0.25, result=result, proposal=None,
-                               warming_up=mode == "model"))
+                               warming_up=mode == "model", counted=mode == "off"))
     lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
-    assert [(line["mode"], line["warming_up"]) for line in lines] == [("model", True), ("off", False)]
+    assert [(line["mode"], line["warming_up"], line["counted"]) for line in lines] == \
+        [("model", True, False), ("off", False, True)]
     first = lines[0]
     assert first["k"] == decision.k and first["reason"] == decision.reason == "warmup"
     assert first["goodput"] == {str(k): pytest.approx(g, abs=1e-3) for k, g in decision.goodput.items()}
@@ -800,34 +829,73 @@ def test_prefill_time_is_counted_once_while_prefills_overlap():
     assert watch.busy_s(now=10.0) == pytest.approx(3.0)
 
 
+def test_a_few_requests_are_left_to_the_model():
+    """At 2 requests a 4 s epoch holds a prompt's prefill or two, which swing its goodput
+    more than the modes differ (code at 2 streams: 4.5-10.6 tok/s epochs in either mode), and an
+    off epoch leaves every request a draft-pool catch-up that keeps the next model epoch off:
+    there the model alone decides."""
+    modes = MeasuredModes(epoch_s=1.0)
+    for second in range(20):
+        ticket = modes.begin(float(second), 2)
+        assert ticket.mode == "model" and not ticket.counted
+        modes.end(ticket, 100, 1.0)
+    assert modes.levels == {}
+
+
+def test_an_epoch_whose_rounds_hang_measures_nothing_but_an_idle_one_does():
+    """Rounds still running `max_epoch_s` after their epoch began (a pool stuck): the epoch is
+    not a measurement of its mode. An epoch whose rounds all ended measures them however long
+    the steered requests then paused (only fixed-setting requests ran, or none): goodput is over
+    the rounds' own time."""
+    modes = MeasuredModes(epoch_s=1.0, max_epoch_s=10.0)
+    stuck = [modes.begin(t, 3) for t in (0.0, 0.1, 0.2)]
+    assert modes.begin(5.0, 3).mode == "model" and modes.levels[MeasuredModes.level(3)].model is None
+    fresh = modes.begin(10.5, 3)  # 10.5 s: given up, the model is measured again
+    assert fresh.counted and fresh.epoch != stuck[0].epoch
+    assert modes.levels[MeasuredModes.level(3)].model is None
+    for r in (fresh, *(modes.begin(t, 3) for t in (10.6, 10.7, 11.5))):
+        modes.end(r, 3, 1.0)
+    assert modes.begin(40.0, 3).mode == "off"  # 30 s idle, then: measured all the same
+    assert modes.levels[MeasuredModes.level(3)].model == pytest.approx(9.0)
+
+
 def test_epochs_neither_measure_the_model_first_nor_explore_while_prompts_prefill():
     """A wave of requests prefills its prompts first. An epoch of the model then makes every
-    request's draft pool catch up while the target prefills, and is dropped anyway (code at 8
-    streams: the first pass at the level ran the model through its prefills, which ended ~23 s
-    later than always off's). So while a prompt prefills an epoch runs the better mode so far,
-    off until both are measured, and an exploration that falls due waits."""
+    request's draft pool catch up while the target prefills (code at 8 streams: the first pass
+    at the level ran the model through its prefills, which ended ~23 s later than always
+    off's). So while a prompt prefills an epoch runs the better mode so far, off until both are
+    measured, and an exploration that falls due waits. A request's first round (its own
+    prompt's prefill) is never counted."""
     modes = MeasuredModes(epoch_s=4.0)
     level = MeasuredModes.level(8)
-    assert modes.mode(0.0, 8, prefill_s=0.0, prefilling=True) == "off"
-    assert modes.mode(4.0, 8, prefill_s=4.0, prefilling=True) == "off"  # still prefilling
-    assert modes.levels[level].off is None  # a prefill's epoch is not measured
-    assert modes.mode(8.0, 8, prefill_s=8.0) == "model"  # prefills over: measure the model first ...
-    assert modes.warming_up and modes.mode(12.0, 8, prefill_s=8.0) == "model"  # ... after its warm-up
-    modes.record(40)
-    assert modes.mode(16.0, 8, prefill_s=8.0) == "off"
-    modes.record(48)
-    assert modes.mode(20.0, 8, prefill_s=8.0) == "off"  # 12 tok/s against the model's 10
+    firsts = [modes.begin(0.1 * i, 8, prefilling=True, first_round=True) for i in range(8)]
+    assert all(r.mode == "off" and not r.counted for r in firsts)
+    for r in firsts:
+        modes.end(r, 1, 3.0)
+
+    def epoch(start: float, tokens: int, seconds: float = 1.0, **kwargs) -> str:
+        """An epoch's rounds: 8 begin at `start`, then one 4 s later (the window's end: the
+        tail's first, not counted), and each emits `tokens` in `seconds`."""
+        rounds = [modes.begin(start + 0.01 * i, 8, **kwargs) for i in range(8)]
+        rounds.append(modes.begin(start + 4.0, 8))
+        for r in rounds:
+            modes.end(r, tokens, seconds)
+        return rounds[0].mode
+
+    assert epoch(4.0, 1, prefilling=True) == "off"  # still prefilling: off, and measured
+    assert modes.begin(9.0, 8).mode == "model" and modes.warming_up  # prefills over: the model, after a warm-up
+    assert modes.levels[level].off == pytest.approx(8.0)  # 8 tokens in 8 round-seconds x 8 requests
+    assert epoch(13.0, 1, seconds=2.0) == "model" and not modes.warming_up
+    assert epoch(18.0, 1) == "off"
     measured = modes.levels[level]
+    assert measured.model == pytest.approx(4.0)
     measured.next_explore = measured.epochs  # an exploration is due
-    modes.record(48)
-    assert modes.mode(24.0, 8, prefill_s=8.0, prefilling=True) == "off"  # it waits for the prefill
-    modes.record(48)
-    assert modes.mode(28.0, 8, prefill_s=9.0) == "model"  # and runs once none is running
-    assert modes.mode(32.0, 8, prefill_s=9.0) == "model" and not modes.warming_up
+    assert epoch(23.0, 1, prefilling=True) == "off"  # it waits for the prefill
+    assert modes.begin(28.0, 8).mode == "model" and modes.warming_up  # and runs once none is running
     # where the model measured better, a prefill's epoch runs the model
-    modes.levels[level].model, modes.levels[level].off = 20.0, 12.0
-    modes.record(80)
-    assert modes.mode(36.0, 8, prefill_s=9.0, prefilling=True) == "model"
+    modes = MeasuredModes(epoch_s=4.0)
+    modes._measured(level).model, modes._measured(level).off = 20.0, 12.0
+    assert modes.begin(0.0, 8, prefilling=True).mode == "model"
 
 
 def test_a_switch_to_the_model_warms_up_until_the_draft_pools_caught_up_then_measures_it():
@@ -836,68 +904,82 @@ def test_a_switch_to_the_model_warms_up_until_the_draft_pools_caught_up_then_mea
     not the mode: measured so, the model's first epochs at code 16 ran through 978 and 1350
     tokens of catch-ups, and the level ran off although always on was 12% faster. So a switch
     to the model warms up, unmeasured, for at least an epoch and on while catch-ups run (at most
-    max_warm_up_epochs), and the model's epoch starts after."""
+    max_warm_up_epochs), and the model's window opens after."""
     modes = MeasuredModes(epoch_s=4.0, max_warm_up_epochs=4)
-    level = MeasuredModes.level(16)
+    level = MeasuredModes.level(3)
     measured = modes._measured(level)
     measured.model, measured.off, measured.epochs, measured.next_explore = 10.0, 12.0, 6, 6  # off leads; due
     modes.current = "off"
-    assert modes.mode(0.0, 16) == "model" and modes.warming_up  # the exploration starts with a warm-up
-    modes.record(8)
-    assert modes.mode(3.0, 16, catching_up=True) == "model" and modes.warming_up
-    assert modes.mode(5.0, 16, prefill_s=4.5, catching_up=True) == "model" and modes.warming_up  # still
+    warm = modes.begin(0.0, 3)
+    assert warm.mode == "model" and not warm.counted and modes.warming_up  # the exploration warms up
+    modes.end(warm, 1, 5.0)
+    assert not modes.begin(3.0, 3, catching_up=True).counted and modes.warming_up
+    assert not modes.begin(5.0, 3, catching_up=True).counted and modes.warming_up  # catch-ups still run
     assert (measured.model, measured.epochs) == (10.0, 6)  # a warm-up measures nothing
-    assert modes.mode(7.0, 16, prefill_s=6.5) == "model" and not modes.warming_up  # caught up: measure
-    modes.record(60)
-    assert modes.mode(11.0, 16, prefill_s=6.5) == "model"  # 60 tokens in 4 s: overturned, model stays
+    rounds = [modes.begin(t, 3) for t in (7.0, 7.1, 7.2)]  # caught up: the model's window
+    assert all(r.counted for r in rounds) and not modes.warming_up
+    rounds.append(modes.begin(11.0, 3))  # the window's end: the tail
+    for r in rounds:
+        modes.end(r, 5, 1.0)
+    assert modes.begin(11.5, 3).mode == "model"  # 15 tok/s: within the hysteresis of off's 12, the model stays
     assert measured.model == pytest.approx(10.0 + 0.3 * (15.0 - 10.0)) and measured.epochs == 7
     assert not modes.warming_up  # staying on the model needs no warm-up
 
     # catch-ups that never end (requests keep arriving) end the warm-up at its cap
     modes = MeasuredModes(epoch_s=4.0, max_warm_up_epochs=4)
     modes.current = "off"
-    assert modes.mode(0.0, 16) == "model" and modes.warming_up  # first measurement of the model
-    assert modes.mode(15.0, 16, catching_up=True) == "model" and modes.warming_up
-    assert modes.mode(16.0, 16, catching_up=True) == "model" and not modes.warming_up
+    assert modes.begin(0.0, 16).mode == "model" and modes.warming_up  # first measurement of the model
+    assert modes.begin(15.0, 16, catching_up=True).mode == "model" and modes.warming_up
+    assert modes.begin(16.0, 16, catching_up=True).counted and not modes.warming_up
     # a switch to off needs none, nor does the model below the measured levels
-    modes = MeasuredModes(epoch_s=4.0)
-    modes.mode(0.0, 16)
-    assert not modes.warming_up and modes.mode(4.0, 16) == "off" and not modes.warming_up
-    assert modes.mode(5.0, 2) == "model" and not modes.warming_up
+    modes = MeasuredModes(epoch_s=1.0)
+    for r in [modes.begin(t, 3) for t in (0.0, 0.1, 0.2, 1.0)]:
+        modes.end(r, 1, 0.5)
+    assert modes.begin(1.1, 3).mode == "off" and not modes.warming_up
+    assert modes.begin(1.2, 2).mode == "model" and not modes.warming_up
 
 
-def test_an_exploration_whose_epochs_prefills_took_goes_on_then_backs_off():
-    """An exploration's epoch that prompt prefills (or late catch-ups) took most of is dropped
-    and goes on, up to explore_retries more epochs; one that stays dropped ends, the better mode
-    runs again, and the next exploration waits twice as long."""
-    level = MeasuredModes.level(16)
+def test_an_exploration_that_measured_nothing_goes_on_then_backs_off():
+    """An exploration's epoch whose rounds all failed (or hung) measured nothing: it goes on,
+    up to explore_retries more epochs; one that stays unmeasured ends, the better mode runs
+    again, and the next exploration waits twice as long."""
+    level = MeasuredModes.level(3)
+
+    def explore(modes: MeasuredModes, start: float, tokens: int | None) -> str:
+        """A window of 3 rounds at 3 requests from `start`; tokens None: they fail."""
+        rounds = [modes.begin(t, 3) for t in (start, start + 0.1, start + 0.2, start + 4.0)]
+        for r in rounds:
+            modes.end(r, tokens, 1.0)
+        return rounds[0].mode
+
     modes = MeasuredModes(epoch_s=4.0, explore_retries=2)
     measured = modes._measured(level)
     measured.model, measured.off, measured.epochs, measured.next_explore = 10.0, 12.0, 6, 6
     modes.current = "off"
-    assert modes.mode(0.0, 16) == "model" and modes.warming_up
-    assert modes.mode(4.0, 16, prefill_s=0.0) == "model" and not modes.warming_up  # warmed up
-    modes.record(8)
-    assert modes.mode(8.0, 16, prefill_s=3.0) == "model"  # prefills took 3 s of 4: dropped, it goes on
+    assert modes.begin(0.0, 3).mode == "model" and modes.warming_up
+    assert explore(modes, 4.0, None) == "model"  # warmed up; its rounds fail: nothing measured
     assert (measured.model, measured.epochs) == (10.0, 6)
-    modes.record(64)
-    assert modes.mode(12.0, 16, prefill_s=3.5) == "model"  # 64 tokens in 3.5 clear s, overturned
-    assert measured.model == pytest.approx(10.0 + 0.3 * (64 / 3.5 - 10.0)) and measured.epochs == 7
+    assert explore(modes, 8.1, 5) == "model"  # it goes on: 15 tok/s
+    assert modes.begin(12.2, 3).mode == "model"
+    assert measured.model == pytest.approx(10.0 + 0.3 * (15.0 - 10.0)) and measured.epochs == 7
 
     modes = MeasuredModes(epoch_s=4.0, explore_retries=2)
     measured = modes._measured(level)
     measured.model, measured.off, measured.epochs, measured.next_explore = 10.0, 12.0, 6, 6
     modes.current = "off"
-    assert [modes.mode(t, 16, prefill_s=max(0.0, t - 4)) for t in (0.0, 4.0, 8.0, 12.0, 16.0)] == \
-        ["model"] * 4 + ["off"]  # warm-up, then the exploration and its 2 retries, all dropped
+    modes.begin(0.0, 3)
+    assert [explore(modes, t, None) for t in (4.0, 8.1, 12.2)] == ["model"] * 3  # the exploration, 2 retries
+    assert modes.begin(16.3, 3).mode == "off"
     assert (measured.model, measured.epochs) == (10.0, 6)
     assert measured.explore_every == 2 * modes.explore_every and measured.next_explore == 6 + measured.explore_every
 
 
 def test_a_draft_pools_catch_up_is_a_prefill_to_the_watch_but_no_prompt_prefill():
-    """Catch-ups make epochs' busy time and keep their rounds out of the overhead learnt, as
-    prompt prefills do; they do not stop explorations or first measurements (`active` counts
-    prompts only), which would stop every exploration of the model by its own catch-ups."""
+    """Catch-ups keep their rounds out of the overhead learnt, as prompt prefills do; they do
+    not stop explorations or first measurements (`active` counts prompts only), which would
+    stop every exploration of the model by its own catch-ups, and they are not taken out of a
+    measured round's time (`busy_s`: prompts only): a new request's catch-up is a cost of
+    speculating, and a switch's catch-ups fall in the warm-up."""
     from specserve.policy import draft_catches_up
 
     watch = PrefillWatch()
@@ -905,21 +987,6 @@ def test_a_draft_pools_catch_up_is_a_prefill_to_the_watch_but_no_prompt_prefill(
     catch_up = watch.start(prefill=False, now=1.0, catch_up=True)
     assert (watch.active, watch.catching_up) == (0, 1) and not watch.clear(catch_up)
     watch.end(catch_up, now=2.5)
-    assert not watch.clear(mine) and watch.busy_s(now=3.0) == pytest.approx(1.5)
+    assert not watch.clear(mine) and watch.busy_s(now=3.0) == 0.0
     assert watch.clear(watch.start(prefill=False, now=3.0))
     assert [draft_catches_up(n, depth=4) for n in (1, 5, 10, 11, 300)] == [False, False, False, True, True]
-
-
-def test_epochs_measure_goodput_over_their_time_free_of_prompt_prefills():
-    """Requests that arrive together prefill first: an epoch mostly spent prefilling measures
-    the wave, not its mode, and is dropped; in one with a short prefill, goodput is over the
-    time the prefill left. Without this, epochs at 16 streams measured 0.13 to 17.3 tok/s in
-    either mode (a replayed trace), the lowest where a wave opened with its prefills."""
-    modes = MeasuredModes(epoch_s=4.0)
-    assert modes.mode(0.0, 8, prefill_s=0.0) == "model"
-    modes.record(2)  # the wave's prompts prefill for 3 s of the 4
-    assert modes.mode(4.0, 8, prefill_s=3.0) == "model"  # dropped: the model is measured again
-    assert modes.levels[MeasuredModes.level(8)].model is None
-    modes.record(30)  # 1 s of this one prefilled: 30 tokens in 3 clear seconds
-    assert modes.mode(8.0, 8, prefill_s=4.0) == "off"
-    assert modes.levels[MeasuredModes.level(8)].model == pytest.approx(10.0)

@@ -228,7 +228,7 @@ class Router(GrpcApi):
     async def _rounds(self, state: RequestState, deadline: float | None = None) -> AsyncIterator[list[int]]:
         self.in_rounds += 1
         prefill = True  # the first round prefills the prompt: its wait is not a round's overhead
-        mark = None
+        mark = ticket = None
         try:
             if state.speculation.proposer == "native":  # the target speculates itself: its results stream
                 native = self._native_rounds(state, deadline)
@@ -243,11 +243,12 @@ class Router(GrpcApi):
                 round_start = time.monotonic()
                 self.load.in_flight = self.in_rounds
                 # only requests the policy steers take part in (and are measured by) its epochs
-                mode = (self.modes.mode(round_start, self.in_rounds, self.prefills.busy_s(round_start),
-                                        prefilling=self.prefills.active > 0 or prefill,
-                                        catching_up=self.prefills.catching_up > 0)
-                        if state.adaptive else "model")
-                warming_up = state.adaptive and self.modes.warming_up
+                ticket = (self.modes.begin(round_start, self.in_rounds, prefilling=self.prefills.active > 0 or prefill,
+                                           catching_up=self.prefills.catching_up > 0, first_round=prefill)
+                          if state.adaptive else None)
+                mode = ticket.mode if ticket is not None else "model"
+                warming_up = ticket is not None and self.modes.warming_up
+                prompts_before = self.prefills.busy_s(round_start)
                 catch_up = len(state.prompt_ids) + len(state.output_ids) - state.draft_synced  # unseen by the draft
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off",
                                             measured_level=self.modes.measures(self.in_rounds))
@@ -261,7 +262,8 @@ class Router(GrpcApi):
                     proposal = state.proposal_in_hand()
                 verify = state.verify_request(proposal)
                 result = await self._before(deadline, state, self._verify(verify))
-                self.prefills.end(mark, time.monotonic())
+                round_end = time.monotonic()
+                self.prefills.end(mark, round_end)
                 round_mark, mark = mark, None
                 compute = result.compute_s + (proposal.compute_s if proposal is not None else 0.0)
                 wall = time.perf_counter() - started
@@ -275,17 +277,22 @@ class Router(GrpcApi):
                 if self.trace is not None:
                     self.trace.write(trace_line(state, decision, mode=mode, in_flight=self.in_rounds, load=self.load,
                                                 catch_up=catch_up, k=state.round_k(), result=result, proposal=proposal,
-                                                round_s=wall, warming_up=warming_up))
+                                                round_s=wall, warming_up=warming_up,
+                                                counted=ticket is not None and ticket.counted))
                 counts = SpecCounts.of(state.stats)
                 emitted = state.commit(result, verify.draft)
-                if state.adaptive:
-                    self.modes.record(len(emitted))
+                if ticket is not None:  # the round's time less the other requests' prompt prefills it overlapped
+                    own_s = round_end - round_start - (self.prefills.busy_s(round_end) - prompts_before)
+                    self.modes.end(ticket, len(emitted), own_s)
+                    ticket = None
                 self.metrics.round(state.speculation.proposer, counts, SpecCounts.of(state.stats))
                 state.finish_at_stop_string(self.codec.decode)
                 yield emitted
         finally:
             if mark is not None:  # the round ended early (an error, a deadline, a disconnect)
                 self.prefills.end(mark, time.monotonic())
+            if ticket is not None:
+                self.modes.end(ticket, None)
             self.in_rounds -= 1
             self._release(state)
 
