@@ -482,14 +482,13 @@ class SpeculationPolicy:
 
     def choose(self, acceptance: AcceptanceTracker, load: LoadModel, *, current: int, max_k: int,
                batch: float | None = None, draft_cost: str = "pool", catch_up: int = 0,
-               room: float = math.inf, probe_from_off: bool = True, min_k: int = 0) -> Decision:
+               room: float = math.inf, probe_from_off: bool = True) -> Decision:
         """The depth for this round: 0..max_k (`batch`: requests per target pass, default the
         load model's EMA). `catch_up`: tokens the draft pool must prefill before it can draft
         (a request that was off); that one-off cost is spread over the rounds the request has
         left (`room`: tokens it may still emit), so it weighs most near the end.
         `probe_from_off=False`: the caller explores by other means (MeasuredModes' epochs), so
-        a request that is off, or new, does not draft to measure its drafts. `min_k` 1: whether
-        to speculate at all is decided elsewhere (measured epochs); the model picks the depth."""
+        a request that is off, or new, does not draft to measure its drafts."""
         if draft_cost not in DRAFT_COSTS:
             raise ValueError(f"draft_cost must be one of {DRAFT_COSTS}, got {draft_cost!r}")
         if max_k <= 0:
@@ -520,8 +519,8 @@ class SpeculationPolicy:
             # prefill of its prompt, exactly when that costs most); but the prior acceptance does
             # not decide it: a prior that says off would never be corrected (code at 2 streams:
             # the prior 0.6 priced speculation off, code's drafts accept 0.8 per position).
-            return Decision(max_k if min_k or worth_measuring() else 0, goodput, "warmup")
-        k = self._pick(goodput, min(current, max_k), min_k)
+            return Decision(max_k if worth_measuring() else 0, goodput, "warmup")
+        k = self._pick(goodput, min(current, max_k))
         if k < max_k and acceptance.age(k) >= self.config.probe_every:
             # Deeper, to measure it: from k > 0 one level, when the model says it beats no
             # speculation; from off (where nothing is drafted, so nothing measured) the
@@ -546,11 +545,11 @@ class SpeculationPolicy:
                 return True
         return False
 
-    def _pick(self, goodput: dict[int, float], current: int, min_k: int = 0) -> int:
-        """The best k >= min_k, unless the current one is within the hysteresis band of it; a k
-        that loses to k = 0 is never kept (where k = 0 is a choice)."""
+    def _pick(self, goodput: dict[int, float], current: int) -> int:
+        """The best k, unless the current one is within the hysteresis band of it; a k that
+        loses to k = 0 is never kept."""
         off = goodput[0]
-        allowed = {k: g for k, g in goodput.items() if k >= min_k and (k == 0 or min_k or g > off)}
+        allowed = {k: g for k, g in goodput.items() if k == 0 or g > off}
         best = max(allowed, key=lambda k: (allowed[k], -k))  # ties: the smaller k
         if current in allowed and allowed[best] <= allowed[current] * (1 + self.config.hysteresis):
             return current
@@ -590,8 +589,8 @@ class MeasuredModes:
     drafts); where those make speculation lose, only a measurement shows it.
 
     How: time is cut into epochs, each running one mode ("model" or "off") for every request
-    the policy steers (with a draft pool, "model" has every request speculate as deep as the
-    model says: see RequestState.plan_round). A request with a fixed setting neither follows the
+    the policy steers (with a draft pool, "model" has every request draft its whole configured
+    depth: see RequestState.plan_round). A request with a fixed setting neither follows the
     epochs nor counts in them: it would credit both modes with the same tokens. An epoch is a
     window of round starts, at least `epoch_s` long and until as many rounds began in it as
     requests were in flight, then a tail in the same mode until every round that began in the

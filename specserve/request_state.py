@@ -164,16 +164,23 @@ class RequestState:
         """Adaptive speculation: let the policy set this round's depth (0 = off) from the
         request's acceptance and the pools' load. `measured_level`: at this load the router's
         measured epochs (MeasuredModes) decide whether requests speculate, so the model does not
-        probe from off, and with a draft pool it picks a depth of at least 1 (see below);
-        `measured_off`: this epoch runs speculation off. Fixed speculation: nothing to decide.
+        probe from off, and a request with a draft pool drafts its whole configured depth (see
+        below); `measured_off`: this epoch runs speculation off. Fixed speculation: nothing to
+        decide.
 
-        Why a depth of at least 1 there: requests of one epoch that each turned a draft pool on
-        or off by their own estimate ran worse than all on or all off (code at 8 and 16 streams
-        on a 2-core CPU: 58 s and 96 s of decoding against always on's 47 s and 70 s and always
-        off's 45 s and 81 s). Requests that skip the draft pool come back to the target sooner,
-        the target's passes split into waves, and each request turned back on owes the draft pool
-        a catch-up prefill. Heads and n-gram lookup have neither cost: there the model still
-        turns single requests off."""
+        Why the whole depth there, for every request with a draft pool: the epochs then compare
+        exactly always on against always off, both measured. Requests of one epoch that each
+        turned a draft pool on or off by their own estimate ran worse than all on or all off
+        (code at 8 and 16 streams on a 2-core CPU: 58 s and 96 s of decoding against always on's
+        47 s and 70 s and always off's 45 s and 81 s): requests that skip the draft pool come back
+        to the target sooner, the target's passes split into waves, and each request turned back
+        on owes the draft pool a catch-up prefill. And epochs where each request picked its own
+        depth (at least 1) measured what the model's estimates of that moment allowed, not
+        speculation: at code 16 its acceptance estimates, learnt from the few rounds that
+        speculated, sat near the 0.6 prior against ~0.85 drafted at depth 4, so it drafted one
+        token a round, 1.7 tokens a round in 5.4 s (5.1 tok/s at 16 streams) where always on
+        emitted 3.9 a round and beat always off. Heads and n-gram lookup have neither cost:
+        there the model still picks each request's depth, off included."""
         spec = self.speculation
         if not self.adaptive:
             return None
@@ -182,11 +189,12 @@ class RequestState:
         current = spec.depth if self.policy_k is None else self.policy_k
         if measured_off:
             decision = Decision(0, {}, "measured")
+        elif measured_level and spec.draft_cost == "pool":
+            decision = Decision(spec.depth, {}, "measured")
         else:
             decision = policy.choose(self.acceptance, load, current=current, max_k=spec.depth, batch=batch,
                                      draft_cost=spec.draft_cost, catch_up=len(self.token_ids) - self.draft_synced,
-                                     room=self.room(), probe_from_off=not measured_level,
-                                     min_k=1 if measured_level and spec.draft_cost == "pool" else 0)
+                                     room=self.room(), probe_from_off=not measured_level)
         self.policy_k = decision.k
         self.stats.policy_decisions[decision.reason] = self.stats.policy_decisions.get(decision.reason, 0) + 1
         if decision.k == 0:

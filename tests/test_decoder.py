@@ -293,10 +293,10 @@ class RandomDepthPolicy:
         return self._base.tracker(kind, positions)
 
     def choose(self, acceptance, load, *, current, max_k, batch=None, draft_cost="pool", catch_up=0, room=None,
-               probe_from_off=True, min_k=0):
+               probe_from_off=True):
         from specserve.policy import Decision
 
-        self.chosen.append(self.rng.randint(min_k, max_k))
+        self.chosen.append(self.rng.randint(0, max_k))
         return Decision(self.chosen[-1], {}, "random")
 
 
