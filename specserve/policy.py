@@ -596,8 +596,8 @@ class MeasuredModes:
     requests were in flight, then a tail in the same mode until every round that began in the
     window has ended; the next epoch starts then. The epoch measures exactly the rounds that
     began in its window, each whole: goodput = their tokens / their seconds (each round's wall
-    time less the prompt prefills it overlapped: those come with arrivals in either mode) x
-    requests in flight. Why rounds, not the tokens any round emitted in the epoch: at 16
+    time less the prompt prefills it overlapped: those come with arrivals in either mode; a
+    round that spent more than half its time so is not counted) x requests in flight. Why rounds, not the tokens any round emitted in the epoch: at 16
     streams on this CPU a round of the model takes ~5 s and one off ~1.5 s, longer than a 4-s
     epoch, so an epoch counted mostly rounds that began in the one before, in the other mode,
     and its own rounds' tokens went to the next. A round's first (the prompt's prefill) is not
@@ -680,6 +680,14 @@ class MeasuredModes:
         percent of rounds it put on (0.99x always off with 2% of rounds speculating, 0.85x with
         8%, when new requests probed their first round)."""
         return in_flight >= self.min_in_flight
+
+    def estimates(self, in_flight: int) -> dict[str, float | None] | None:
+        """The goodput measured so far for each mode at this many requests in flight (None where
+        the epochs do not measure)."""
+        if not self.measures(in_flight):
+            return None
+        measured = self.levels.get(self.level(in_flight), _ModeGoodput())
+        return {"model": measured.model, "off": measured.off}
 
     def begin(self, now: float, in_flight: int, *, prefilling: bool = False, catching_up: bool = False,
               first_round: bool = False) -> RoundTicket:

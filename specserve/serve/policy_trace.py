@@ -34,10 +34,12 @@ def _load(load: PoolLoad | None) -> dict | None:
 
 def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_flight: int, load: LoadModel,
                catch_up: int, k: int, round_s: float, result: VerifyResult, proposal: Proposal | None,
-               warming_up: bool = False, counted: bool = False) -> dict:
+               warming_up: bool = False, counted: bool = False, epoch: int | None = None,
+               estimates: dict | None = None) -> dict:
     """One round of `state` as the trace records it (`k`: the depth the round asked for, a cap
     the proposer may stop short of; `warming_up`: the round began in the warm-up of a switch to
-    the model; `counted`: its epoch measures it, see MeasuredModes)."""
+    the model; `counted`: its epoch (`epoch`, numbered) measures it; `estimates`: each mode's
+    goodput measured so far at this load; see MeasuredModes)."""
     def line(coefficients: tuple[float, float]) -> list[float]:
         return [round(c, 5) for c in coefficients]
 
@@ -45,7 +47,8 @@ def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_
 
     return {
         "t": round(time.time(), 3), "request": state.request_id[:12], "in_flight": in_flight, "mode": mode,
-        "warming_up": warming_up, "counted": counted,
+        "epoch": epoch, "warming_up": warming_up, "counted": counted,
+        "estimates": {m: None if g is None else round(g, 3) for m, g in estimates.items()} if estimates else None,
         "k": k, "reason": decision.reason if decision else None,
         "goodput": {str(d): round(g, 3) for d, g in decision.goodput.items()} if decision else None,
         "target_step": line(load.target.coefficients()),  # [fixed s, s per token]

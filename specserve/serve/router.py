@@ -278,12 +278,16 @@ class Router(GrpcApi):
                     self.trace.write(trace_line(state, decision, mode=mode, in_flight=self.in_rounds, load=self.load,
                                                 catch_up=catch_up, k=state.round_k(), result=result, proposal=proposal,
                                                 round_s=wall, warming_up=warming_up,
-                                                counted=ticket is not None and ticket.counted))
+                                                counted=ticket is not None and ticket.counted,
+                                                epoch=ticket.epoch if ticket is not None else None,
+                                                estimates=self.modes.estimates(self.in_rounds)))
                 counts = SpecCounts.of(state.stats)
                 emitted = state.commit(result, verify.draft)
                 if ticket is not None:  # the round's time less the other requests' prompt prefills it overlapped
                     own_s = round_end - round_start - (self.prefills.busy_s(round_end) - prompts_before)
-                    self.modes.end(ticket, len(emitted), own_s)
+                    # a round that mostly waited for prefills measured them, not its mode
+                    mostly_own = own_s >= (round_end - round_start) / 2
+                    self.modes.end(ticket, len(emitted) if mostly_own else None, own_s)
                     ticket = None
                 self.metrics.round(state.speculation.proposer, counts, SpecCounts.of(state.stats))
                 state.finish_at_stop_string(self.codec.decode)
