@@ -597,8 +597,8 @@ class MeasuredModes:
     window has ended; the next epoch starts then. The epoch measures exactly the rounds that
     began in its window, each whole: goodput = their tokens / their seconds (each round's wall
     time less the prompt prefills it overlapped: those come with arrivals in either mode; a
-    round that spent more than half its time so is not counted) x requests in flight. Why rounds, not the tokens any round emitted in the epoch: at 16
-    streams on this CPU a round of the model takes ~5 s and one off ~1.5 s, longer than a 4-s
+    round that spent more than half its time so is not counted) x requests in flight. Why
+    rounds, not the tokens any round emitted in the epoch: at 16 streams on this CPU a round of the model takes ~5 s and one off ~1.5 s, longer than a 4-s
     epoch, so an epoch counted mostly rounds that began in the one before, in the other mode,
     and its own rounds' tokens went to the next. A round's first (the prompt's prefill) is not
     counted. The goodput goes to the EMA of the epoch's mode at its level (log2 buckets of
@@ -657,9 +657,8 @@ class MeasuredModes:
     _needed: int = 0  # round starts the window waits for
     _starts: int = 0  # rounds that began in the window ...
     _open: int = 0  # ... of which not yet ended
-    _ended: int = 0  # ... and ended with their tokens
-    _tokens: int = 0
-    _seconds: float = 0.0
+    _tokens: int = 0  # ... emitted by those that ended counted
+    _seconds: float = 0.0  # ... in their own time
     _in_flight: int = 0  # summed over the window's round starts
     _exploring: bool = False  # the running epoch runs the mode its level measured worse
     _retries: int = 0  # epochs the running exploration went on after ones that measured nothing
@@ -705,15 +704,17 @@ class MeasuredModes:
             self._in_flight += in_flight
         return RoundTicket(self.current, self.epoch, counted)
 
-    def end(self, ticket: RoundTicket, tokens: int | None, seconds: float = 0.0) -> None:
-        """The round of `ticket` ended, having emitted `tokens` in `seconds` of its own time
-        (its wall time less the prompt prefills it overlapped); tokens None: it failed."""
+    def end(self, ticket: RoundTicket, tokens: int | None, seconds: float = 0.0, prefill_s: float = 0.0) -> None:
+        """The round of `ticket` ended, having emitted `tokens` in `seconds` of wall time, of
+        which it spent `prefill_s` waiting for other requests' prompt prefills (taken out: they
+        come with arrivals in either mode); tokens None: it failed. A round that waited for
+        prefills more than half its time measured them, not its mode, and is not counted."""
         if ticket.counted and ticket.epoch == self.epoch:
             self._open -= 1
-            if tokens is not None and seconds > 0:
-                self._ended += 1
+            own_s = seconds - prefill_s
+            if tokens is not None and own_s > 0 and own_s >= seconds / 2:
                 self._tokens += tokens
-                self._seconds += seconds
+                self._seconds += own_s
 
     def _advance(self, now: float, level: int, in_flight: int, prefilling: bool, catching_up: bool) -> None:
         """Move the epochs on to `now`: end a warm-up, close a window, or close the epoch and
@@ -750,13 +751,13 @@ class MeasuredModes:
         self._started, self._level, self.current = now, level, mode
         self._window = level > 0 and not self.warming_up
         self._needed = max(in_flight, self.min_in_flight)
-        self._starts = self._open = self._ended = self._tokens = self._in_flight = 0
+        self._starts = self._open = self._tokens = self._in_flight = 0
         self._seconds = 0.0
         self._exploring, self._retries = exploring, retries
 
     def _close(self) -> bool:
         """Measure the epoch whose rounds all ended; returns whether it measured its mode."""
-        if not self._ended:
+        if not self._seconds:  # every round it counted failed
             return False
         goodput = self._tokens / self._seconds * self._in_flight / self._starts
         measured = self._measured(self._level)

@@ -433,6 +433,20 @@ def test_an_epoch_measures_the_rounds_that_began_in_it_whole():
     assert modes._tokens == 0
 
 
+def test_a_round_is_measured_over_its_own_time_and_not_at_all_where_prefills_took_most_of_it():
+    """Other requests' prompt prefills come with arrivals in either mode: a round's time spent
+    waiting for them is taken out, and a round that waited for them more than half its time
+    measured them, not its mode (counted as it was, a round in the opening wave's prefills kept
+    a sliver of its own time and gave off a huge rate)."""
+    modes = MeasuredModes(epoch_s=1.0)
+    rounds = [modes.begin(t, 3) for t in (0.0, 0.1, 0.2)]
+    modes.end(rounds[0], 4, 3.0, prefill_s=1.0)  # 4 tokens in 2 s of its own
+    modes.end(rounds[1], 4, 3.0, prefill_s=2.9)  # waited 2.9 s of 3: left out
+    modes.end(rounds[2], 2, 1.0)
+    assert modes.begin(1.0, 3).mode == "off"  # the window closed with all its rounds ended
+    assert modes.levels[MeasuredModes.level(3)].model == pytest.approx((4 + 2) / (2.0 + 1.0) * 3)
+
+
 def test_an_epoch_whose_load_changed_measures_nothing():
     modes = MeasuredModes(epoch_s=1.0)
     first = modes.begin(0.0, 8)

@@ -283,11 +283,9 @@ class Router(GrpcApi):
                                                 estimates=self.modes.estimates(self.in_rounds)))
                 counts = SpecCounts.of(state.stats)
                 emitted = state.commit(result, verify.draft)
-                if ticket is not None:  # the round's time less the other requests' prompt prefills it overlapped
-                    own_s = round_end - round_start - (self.prefills.busy_s(round_end) - prompts_before)
-                    # a round that mostly waited for prefills measured them, not its mode
-                    mostly_own = own_s >= (round_end - round_start) / 2
-                    self.modes.end(ticket, len(emitted) if mostly_own else None, own_s)
+                if ticket is not None:
+                    self.modes.end(ticket, len(emitted), round_end - round_start,
+                                   prefill_s=self.prefills.busy_s(round_end) - prompts_before)
                     ticket = None
                 self.metrics.round(state.speculation.proposer, counts, SpecCounts.of(state.stats))
                 state.finish_at_stop_string(self.codec.decode)
