@@ -7,8 +7,9 @@ Each request runs its own round loop (propose -> verify -> commit -> stream); th
 the calls of concurrent requests into shared forward passes. The router is torch-free.
 
 Failure handling, all exact:
-- draft pool down, failing or slower than `draft_timeout_s`: the round runs target-only, and
-  the draft is left alone for `draft_retry_after_s`;
+- draft pool down, failing, or silent (no reply to any call) for `draft_timeout_s` beyond a
+  call's expected time: the round drafts by prompt lookup, and the draft pool is left alone for
+  `draft_retry_after_s`. A pool that is busy but answering is waited for (serve/liveness.py);
 - target replica died mid-call: the same VerifyRequest is retried on another replica. It is
   deterministic (same token ids, same draft, same seed), so no token is lost or repeated;
 - client gone (stream closed, request cancelled): the request's caches are released in both pools.
@@ -48,6 +49,7 @@ from specserve.serve.generation import (
 from specserve.serve.grpc_api import GrpcApi
 from specserve.serve.http_guard import HttpPolicy, RequestGuard
 from specserve.serve.limits import DeadlineExceeded, check_request, deadline_message
+from specserve.serve.liveness import DRAFT_MAX_WAIT_QUIET, PoolLiveness, await_while_alive
 from specserve.serve.metrics import RouterMetrics, SpecCounts
 from specserve.serve.policy_trace import PolicyTrace, trace_line
 from specserve.serve.openai_api import (
@@ -126,6 +128,7 @@ class Router(GrpcApi):
         self._info: dict | None = None
         self._info_lock = asyncio.Lock()
         self._draft_down_until = 0.0
+        self.draft_liveness = PoolLiveness()
         # Load-aware speculation: the policy, and the pools' load as their replies report it.
         self.policy = SpeculationPolicy()
         self.load = LoadModel()
@@ -156,17 +159,36 @@ class Router(GrpcApi):
                 self._info = info
         return self._info
 
-    async def _propose(self, request: ProposeRequest, proposer: str) -> Proposal:
+    async def _propose(self, request: ProposeRequest, proposer: str, expected_s: float = 0.0) -> Proposal:
+        """The round's draft: from prompt lookup (by choice, or while the draft pool is down) or
+        from the draft pool, which is waited for while it is alive (serve/liveness.py):
+        `expected_s`, the call's own expected time, plus `draft_timeout_s` of silence from the
+        pool; a call given up on while the pool answers others drafts this round by prompt
+        lookup, a pool that failed or went silent is left alone for `draft_retry_after_s`."""
         draft_down = self.draft is None or time.monotonic() < self._draft_down_until
         if proposer in LOCAL_PROPOSERS or draft_down:  # prompt lookup, by choice or as the fallback
             return self.ngram.propose_one(request)
+        quiet_s = self.spec.draft_timeout_s
         try:
-            return await asyncio.wait_for(self.draft.propose.remote(request), self.spec.draft_timeout_s)
-        except Exception as exc:  # any draft failure only costs speed: prompt lookup for a while
+            return await await_while_alive(self.draft.propose.remote(request), self.draft_liveness,
+                                           expected_s=expected_s, quiet_s=quiet_s,
+                                           max_s=expected_s + DRAFT_MAX_WAIT_QUIET * quiet_s)
+        except Exception as exc:  # any draft failure only costs speed: prompt lookup
+            if isinstance(exc, TimeoutError) and self.draft_liveness.heard_within(quiet_s, time.monotonic()):
+                logger.warning("draft call given up on (%s) while the pool answers others; this round drafts "
+                               "by prompt lookup (ngram)", exc)
+                return self.ngram.propose_one(request)
             self._draft_down_until = time.monotonic() + self.spec.draft_retry_after_s
             logger.warning("draft pool unavailable (%s: %s); drafting by prompt lookup (ngram) for %.1f s",
                            type(exc).__name__, exc, self.spec.draft_retry_after_s)
             return self.ngram.propose_one(request)
+
+    def _expected_draft_s(self, catch_up: int, k: int) -> float:
+        """What a draft call should take: its catch-up prefill and k steps at the draft pool's
+        fitted step time (0 before the pool's first reply)."""
+        if not self.load.draft.observed:
+            return 0.0
+        return self.load.draft.predict(catch_up) + k * self.load.draft.predict(self.load.batch_ema)
 
     async def _verify(self, request: VerifyRequest) -> VerifyResult:
         deadline = time.monotonic() + self.args.router.target_retry_timeout_s
@@ -256,8 +278,9 @@ class Router(GrpcApi):
                 mark = self.prefills.start(prefill, round_start, catch_up=draft_call and draft_catches_up(
                     catch_up, state.speculation.depth))
                 if state.needs_proposer:  # a draft pool's round, or prompt lookup
-                    proposal = await self._before(deadline, state, self._propose(state.propose_request(),
-                                                                                 state.speculation.proposer))
+                    proposal = await self._before(deadline, state, self._propose(
+                        state.propose_request(), state.speculation.proposer,
+                        self._expected_draft_s(catch_up, state.round_k()) if draft_call else 0.0))
                 else:  # co-located heads proposed it in the previous verify pass (or no speculation)
                     proposal = state.proposal_in_hand()
                 verify = state.verify_request(proposal)

@@ -1,0 +1,69 @@
+"""Waiting on a pool that may be busy or may be down, without taking one for the other.
+
+A draft pool at load is slow, not down: on a 2-core CPU at 16 streams a draft round takes 3-9 s
+(queued behind other requests' drafts), and the catch-up prefills after speculation comes back
+on take tens of seconds. A fixed 5-s timeout there gave up on ~200 draft calls in one adaptive
+pass (code, 16 streams), and each one sent every request to prompt lookup for a while: the
+rounds the load-aware policy measured as "speculating" were mostly rounds of a failed draft.
+So a call is given up on when its pool has gone quiet, not when it is merely slow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+
+# A call whose pool answers others but not it is given up on after its expected time and this many
+# quiet periods (draft_timeout_s): a stuck call, not a busy pool.
+DRAFT_MAX_WAIT_QUIET = 6
+
+
+@dataclass
+class PoolLiveness:
+    """When a pool last answered a call (any call of this router)."""
+
+    last_reply: float | None = None
+
+    def replied(self, now: float) -> None:
+        self.last_reply = now if self.last_reply is None else max(self.last_reply, now)
+
+    def heard_within(self, seconds: float, now: float) -> bool:
+        return self.last_reply is not None and now - self.last_reply < seconds
+
+
+def give_up_at(started: float, *, expected_s: float, quiet_s: float, max_s: float, last_reply: float | None) -> float:
+    """When a call made at `started` is given up on: once its own expected time and then
+    `quiet_s` more have passed with no reply from its pool to any call, counting from this call
+    or the pool's last reply, whichever is later; and in any case at `started + max_s` (a pool
+    that answers others but never this call)."""
+    heard = started if last_reply is None else max(started, last_reply)
+    return min(started + max_s, max(started + expected_s, heard) + quiet_s)
+
+
+async def await_while_alive(call: Awaitable[T], liveness: PoolLiveness, *, expected_s: float, quiet_s: float,
+                            max_s: float, clock: Callable[[], float] = time.monotonic) -> T:
+    """Await `call` while its pool shows it is alive (see `give_up_at`); TimeoutError (and the
+    call cancelled) when it is given up on. A reply is recorded in `liveness`."""
+    started = clock()
+    task = asyncio.ensure_future(call)
+    try:
+        while True:
+            now = clock()
+            deadline = give_up_at(started, expected_s=expected_s, quiet_s=quiet_s, max_s=max_s,
+                                  last_reply=liveness.last_reply)
+            if now >= deadline:
+                raise TimeoutError(f"no reply in {now - started:.1f} s (pool last heard "
+                                   f"{'never' if liveness.last_reply is None else f'{now - liveness.last_reply:.1f} s ago'})")
+            done, _ = await asyncio.wait({task}, timeout=deadline - now)
+            if done:
+                result = task.result()
+                liveness.replied(clock())
+                return result
+    finally:
+        if not task.done():
+            task.cancel()
