@@ -646,7 +646,10 @@ class MeasuredModes:
     weight: float = 0.3  # an epoch's weight in its mode's EMA
     min_in_flight: int = 3
     explore_retries: int = 2  # epochs an exploration goes on while its epochs measure nothing
-    max_warm_up_epochs: float = 4.0  # the longest warm-up after a switch to the model
+    # the longest warm-up after a switch to the model: with the catch-ups in the background
+    # (RequestState.draft_sync_due) the target keeps emitting meanwhile, and 16 of them take
+    # ~45 s of a 2-core CPU's draft pool
+    max_warm_up_epochs: float = 10.0
     levels: dict[int, _ModeGoodput] = field(default_factory=dict)
     current: str = "model"
     warming_up: bool = False  # the running epoch is a switch to the model's warm-up: not measured

@@ -11,7 +11,7 @@ import random
 import secrets
 from dataclasses import dataclass, field, replace
 
-from specserve.policy import AcceptanceTracker, Decision, LoadModel, SpeculationPolicy
+from specserve.policy import AcceptanceTracker, Decision, LoadModel, SpeculationPolicy, draft_catches_up
 from specserve.protocol import (
     DraftShape, Proposal, ProposeRequest, SamplingParams, Speculation, SpecserveError, TokenTree, VerifyRequest,
     VerifyResult,
@@ -93,8 +93,9 @@ class RequestState:
     speculation: Speculation = field(default_factory=Speculation)
     eos_token_ids: frozenset[int] = frozenset()
     max_context: int | None = None  # the models' context length: generation stops there
-    # Serving: the first round drafts nothing, so the first token costs one target prefill
-    # (time to first token); the draft catches up on the prompt in round two.
+    # Serving: no round waits for the draft pool's prefill. The first round drafts nothing, so
+    # the first token costs one target prefill (time to first token), and the draft pool
+    # catches up on the prompt meanwhile, in the background (draft_sync_due).
     prefill_without_draft: bool = False
     timeout_s: float | None = None  # serving: the request's deadline, counted from its first round
     # Co-located heads: the draft the last verify pass proposed for the next round.
@@ -111,6 +112,9 @@ class RequestState:
     # Tokens of token_ids the draft pool has seen (at this request's last propose call): what
     # it must prefill before drafting again is the rest (priced by the policy).
     draft_synced: int = 0
+    # Serving: the draft pool is catching up on this request in the background (sync_request);
+    # its rounds run target-only until it has.
+    draft_syncing: bool = False
     rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -142,10 +146,36 @@ class RequestState:
     def round_k(self) -> int:
         """Draft length (a tree: depth) this round: never draft tokens that could not be
         emitted (the round's recovered/bonus token takes one of the remaining places)."""
-        if self.prefill_without_draft and not self.output_ids:
+        if self.draft_syncing or (self.prefill_without_draft and not self.output_ids):
             return 0
-        depth = self.speculation.depth if self.policy_k is None else self.policy_k
-        return max(0, min(depth, self.room() - 1))
+        return max(0, min(self._depth(), self.room() - 1))
+
+    def _depth(self) -> int:
+        return self.speculation.depth if self.policy_k is None else self.policy_k
+
+    def draft_sync_due(self) -> bool:
+        """Serving: whether the draft pool should catch up on this request in the background
+        now, its rounds running target-only meanwhile, instead of a round waiting for the
+        catch-up (its prompt, or what it emitted while speculation was off). Due when the
+        request drafts from a draft pool at this round's depth, the pool has fallen more than a
+        round's sync behind (draft_catches_up), none runs already, and the depth is not pinned
+        (a seeded sampled request's draws must not depend on when a catch-up ends).
+
+        Why: a round that waits for its catch-up holds the target's work for it; after
+        speculation came back on at 16 streams, 16 catch-ups of ~140 tokens each kept every
+        request waiting on the draft pool for tens of seconds on a 2-core CPU."""
+        spec = self.speculation
+        if (not self.prefill_without_draft or self.draft_syncing or self.pinned_depth or spec.co_located
+                or spec.draft_cost != "pool" or self._depth() == 0 or self.room() <= 1):
+            return False
+        return draft_catches_up(len(self.token_ids) - self.draft_synced, spec.depth)
+
+    def sync_request(self) -> ProposeRequest:
+        """The background catch-up's call: a one-token draft (its prefill is the point; the
+        draft is discarded) of every token so far. Marks the catch-up running."""
+        self.draft_synced = len(self.token_ids)
+        self.draft_syncing = True
+        return ProposeRequest(self.request_id, self.token_ids, 1, self.params, 0)
 
     @property
     def pinned_depth(self) -> bool:

@@ -1009,3 +1009,39 @@ def test_a_draft_pools_catch_up_is_a_prefill_to_the_watch_but_no_prompt_prefill(
     assert not watch.clear(mine) and watch.busy_s(now=3.0) == 0.0
     assert watch.clear(watch.start(prefill=False, now=3.0))
     assert [draft_catches_up(n, depth=4) for n in (1, 5, 10, 11, 300)] == [False, False, False, True, True]
+
+
+def test_a_serving_request_catches_its_draft_pool_up_in_the_background():
+    """While the draft pool prefills what it has not seen (the prompt, or what was emitted with
+    speculation off), the request's rounds run target-only instead of waiting for it."""
+    prompt = list(range(1, 41))
+    state = RequestState("r", prompt, SamplingParams(max_tokens=100), Speculation(proposer="draft", k=4),
+                         prefill_without_draft=True)
+    assert state.round_k() == 0 and state.draft_sync_due()  # first round: the prompt, in the background
+    sync = state.sync_request()
+    assert (sync.token_ids, sync.k) == (prompt, 1) and state.draft_syncing and state.draft_synced == 40
+    state.output_ids = [7]
+    assert state.round_k() == 0 and not state.draft_sync_due()  # one catch-up at a time
+    state.draft_syncing = False  # it ended
+    assert state.round_k() == 4 and not state.draft_sync_due()  # 1 token behind: the round's usual sync
+    state.output_ids = list(range(7, 27))  # 20 tokens emitted with speculation off
+    state.policy_k = 0
+    assert not state.draft_sync_due()  # off: nothing to catch up for
+    state.policy_k = 4
+    assert state.draft_sync_due()
+
+
+def test_background_catch_up_is_left_out_where_it_would_change_what_runs():
+    prompt = list(range(1, 41))
+    seeded = RequestState("r", prompt, SamplingParams(temperature=0.8, seed=3, max_tokens=100),
+                          Speculation(proposer="draft", k=4), prefill_without_draft=True)
+    assert not seeded.draft_sync_due()  # its draws follow its drafts: the depth stays pinned
+    library = RequestState("r", prompt, SamplingParams(max_tokens=100), Speculation(proposer="draft", k=4))
+    assert not library.draft_sync_due()  # the library decoder runs its rounds in order
+    for proposer in ("ngram", "none"):
+        state = RequestState("r", prompt, SamplingParams(max_tokens=100), Speculation(proposer=proposer, k=4),
+                             prefill_without_draft=True)
+        assert not state.draft_sync_due()  # no draft pool
+    last = RequestState("r", prompt, SamplingParams(max_tokens=1), Speculation(proposer="draft", k=4),
+                        prefill_without_draft=True)
+    assert not last.draft_sync_due()  # one token left: it will never draft

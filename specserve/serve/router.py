@@ -183,6 +183,29 @@ class Router(GrpcApi):
                            type(exc).__name__, exc, self.spec.draft_retry_after_s)
             return self.ngram.propose_one(request)
 
+    def _sync_draft(self, state: RequestState) -> None:
+        """Start the draft pool's catch-up on `state` in the background (RequestState.draft_sync_due)."""
+        before = state.draft_synced
+        request = state.sync_request()
+        mark = self.prefills.start(False, time.monotonic(), catch_up=True)
+
+        async def sync():
+            try:
+                await self._propose(request, state.speculation.proposer,
+                                    self._expected_draft_s(len(request.token_ids) - before, 1))
+            finally:
+                self.prefills.end(mark, time.monotonic())
+                state.draft_syncing = False
+                if state.released and self.draft is not None:  # it ended after the release: free it again
+                    try:
+                        await self.draft.release.remote(state.request_id)
+                    except Exception:  # the replica is gone: its caches went with it
+                        pass
+
+        task = asyncio.get_running_loop().create_task(sync())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _expected_draft_s(self, catch_up: int, k: int) -> float:
         """What a draft call should take: its catch-up prefill and k steps at the draft pool's
         fitted step time (0 before the pool's first reply)."""
@@ -274,6 +297,8 @@ class Router(GrpcApi):
                 catch_up = len(state.prompt_ids) + len(state.output_ids) - state.draft_synced  # unseen by the draft
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off",
                                             measured_level=self.modes.measures(self.in_rounds))
+                if state.draft_sync_due():  # the draft pool catches up meanwhile: this round runs target-only
+                    self._sync_draft(state)
                 draft_call = state.needs_proposer and state.speculation.draft_cost == "pool"
                 mark = self.prefills.start(prefill, round_start, catch_up=draft_call and draft_catches_up(
                     catch_up, state.speculation.depth))
