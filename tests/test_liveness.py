@@ -95,3 +95,35 @@ def test_a_failing_call_raises_its_own_error_and_is_not_a_reply():
         return liveness.last_reply
 
     assert asyncio.run(run()) is None
+
+
+def test_a_pool_busy_in_one_long_pass_answers_a_ping_and_is_waited_for():
+    """No call comes back while one long pass runs (a burst of catch-ups), but the replica
+    answers a ping between its passes: busy, not down."""
+    pings = []
+
+    async def ping():
+        pings.append(time.monotonic())
+        return "info"
+
+    async def run():
+        liveness = PoolLiveness()
+        return await await_while_alive(_slow(0.6), liveness, expected_s=0.0, quiet_s=0.1, max_s=5.0, ping=ping)
+
+    assert asyncio.run(run()) == "draft"
+    assert len(pings) >= 3
+
+
+def test_a_pool_that_answers_no_ping_is_given_up_on():
+    async def hung_ping():
+        await asyncio.sleep(10)
+
+    async def run():
+        liveness = PoolLiveness()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await await_while_alive(_slow(5.0), liveness, expected_s=0.1, quiet_s=0.1, max_s=5.0, ping=hung_ping)
+        return time.monotonic() - started, liveness.last_reply
+
+    waited, last_reply = asyncio.run(run())
+    assert 0.3 <= waited < 1.0 and last_reply is None  # expected + quiet, then the ping's own quiet period

@@ -5,7 +5,9 @@ A draft pool at load is slow, not down: on a 2-core CPU at 16 streams a draft ro
 on take tens of seconds. A fixed 5-s timeout there gave up on ~200 draft calls in one adaptive
 pass (code, 16 streams), and each one sent every request to prompt lookup for a while: the
 rounds the load-aware policy measured as "speculating" were mostly rounds of a failed draft.
-So a call is given up on when its pool has gone quiet, not when it is merely slow.
+So a call is given up on when its pool is down, not when it is merely slow: when the pool has
+answered no call for a while past the call's expected time, and does not answer a ping either
+(one pass of 16 background catch-ups kept a draft pool from answering any call for 40 s).
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-# A call whose pool answers others but not it is given up on after its expected time and this many
-# quiet periods (draft_timeout_s): a stuck call, not a busy pool.
-DRAFT_MAX_WAIT_QUIET = 6
+# A call whose pool answers others (or pings) but not it is given up on after its expected time
+# and this many quiet periods (draft_timeout_s): a stuck call, not a busy pool.
+DRAFT_MAX_WAIT_QUIET = 12
 
 
 @dataclass
@@ -37,18 +39,22 @@ class PoolLiveness:
 
 
 def give_up_at(started: float, *, expected_s: float, quiet_s: float, max_s: float, last_reply: float | None) -> float:
-    """When a call made at `started` is given up on: once its own expected time and then
-    `quiet_s` more have passed with no reply from its pool to any call, counting from this call
-    or the pool's last reply, whichever is later; and in any case at `started + max_s` (a pool
-    that answers others but never this call)."""
+    """When a call made at `started` stops being waited for on replies alone: once its own
+    expected time and then `quiet_s` more have passed with no reply from its pool to any call,
+    counting from this call or the pool's last reply, whichever is later (then
+    `await_while_alive` pings the pool); and in any case at `started + max_s` (a pool that
+    answers others but never this call)."""
     heard = started if last_reply is None else max(started, last_reply)
     return min(started + max_s, max(started + expected_s, heard) + quiet_s)
 
 
 async def await_while_alive(call: Awaitable[T], liveness: PoolLiveness, *, expected_s: float, quiet_s: float,
-                            max_s: float, clock: Callable[[], float] = time.monotonic) -> T:
-    """Await `call` while its pool shows it is alive (see `give_up_at`); TimeoutError (and the
-    call cancelled) when it is given up on. A reply is recorded in `liveness`."""
+                            max_s: float, ping: Callable[[], Awaitable] | None = None,
+                            clock: Callable[[], float] = time.monotonic) -> T:
+    """Await `call` while its pool shows it is alive (see `give_up_at`); when the pool has been
+    quiet that long, `ping` it (a cheap call its replica answers between passes): an answer
+    within `quiet_s` counts as a reply. TimeoutError (and the call cancelled) when it is given up
+    on. Replies are recorded in `liveness`."""
     started = clock()
     task = asyncio.ensure_future(call)
     try:
@@ -57,6 +63,9 @@ async def await_while_alive(call: Awaitable[T], liveness: PoolLiveness, *, expec
             deadline = give_up_at(started, expected_s=expected_s, quiet_s=quiet_s, max_s=max_s,
                                   last_reply=liveness.last_reply)
             if now >= deadline:
+                if ping is not None and now - started < max_s and await _answers(ping, quiet_s):
+                    liveness.replied(clock())  # busy, not down
+                    continue
                 raise TimeoutError(f"no reply in {now - started:.1f} s (pool last heard "
                                    f"{'never' if liveness.last_reply is None else f'{now - liveness.last_reply:.1f} s ago'})")
             done, _ = await asyncio.wait({task}, timeout=deadline - now)
@@ -67,3 +76,11 @@ async def await_while_alive(call: Awaitable[T], liveness: PoolLiveness, *, expec
     finally:
         if not task.done():
             task.cancel()
+
+
+async def _answers(ping: Callable[[], Awaitable], timeout_s: float) -> bool:
+    try:
+        await asyncio.wait_for(ping(), timeout_s)
+        return True
+    except Exception:
+        return False

@@ -163,8 +163,9 @@ class Router(GrpcApi):
         """The round's draft: from prompt lookup (by choice, or while the draft pool is down) or
         from the draft pool, which is waited for while it is alive (serve/liveness.py):
         `expected_s`, the call's own expected time, plus `draft_timeout_s` of silence from the
-        pool; a call given up on while the pool answers others drafts this round by prompt
-        lookup, a pool that failed or went silent is left alone for `draft_retry_after_s`."""
+        pool, which must then answer a ping (`info`) within `draft_timeout_s`; a call given up on
+        while the pool answers drafts this round by prompt lookup, a pool that failed or went
+        silent is left alone for `draft_retry_after_s`."""
         draft_down = self.draft is None or time.monotonic() < self._draft_down_until
         if proposer in LOCAL_PROPOSERS or draft_down:  # prompt lookup, by choice or as the fallback
             return self.ngram.propose_one(request)
@@ -172,7 +173,8 @@ class Router(GrpcApi):
         try:
             return await await_while_alive(self.draft.propose.remote(request), self.draft_liveness,
                                            expected_s=expected_s, quiet_s=quiet_s,
-                                           max_s=expected_s + DRAFT_MAX_WAIT_QUIET * quiet_s)
+                                           max_s=expected_s + DRAFT_MAX_WAIT_QUIET * quiet_s,
+                                           ping=self.draft.info.remote)
         except Exception as exc:  # any draft failure only costs speed: prompt lookup
             if isinstance(exc, TimeoutError) and self.draft_liveness.heard_within(quiet_s, time.monotonic()):
                 logger.warning("draft call given up on (%s) while the pool answers others; this round drafts "
