@@ -2,9 +2,10 @@
 
 A draft pool at load is slow, not down: on a 2-core CPU at 16 streams a draft round takes 3-9 s
 (queued behind other requests' drafts), and the catch-up prefills after speculation comes back
-on take tens of seconds. A fixed 5-s timeout there gave up on ~200 draft calls in one adaptive
-pass (code, 16 streams), and each one sent every request to prompt lookup for a while: the
-rounds the load-aware policy measured as "speculating" were mostly rounds of a failed draft.
+on take tens of seconds. A fixed 5-s timeout there gave up on ~100 draft calls in an adaptive
+pass and ~450 in an always-on pass (code, 16 streams), and each one sent every request to
+prompt lookup for a while: the rounds the load-aware policy measured as "speculating" were
+mostly rounds of a failed draft, and always on fell to 1.39 tokens a round.
 So a call is given up on when its pool is down, not when it is merely slow: when the pool has
 answered no call for a while past the call's expected time, and does not answer a ping either
 (one pass of 16 background catch-ups kept a draft pool from answering any call for 40 s).
