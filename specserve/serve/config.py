@@ -172,8 +172,9 @@ class SpeculationArgs(_Strict):
     ngram: NgramArgs = Field(default_factory=NgramArgs)
     draft_min_confidence: float = Field(0.5, ge=0, le=1)
     draft_top_m: int = Field(256, ge=1)
-    # A draft pool silent this long (no reply to any call) beyond a call's expected time is taken
-    # for down: the round drafts by prompt lookup. A busy pool that answers is waited for.
+    # A draft pool silent this long (no reply to any call) beyond a call's expected time, and then
+    # not answering a ping within it, is taken for down: the round drafts by prompt lookup. A busy
+    # pool is waited for (serve/liveness.py).
     draft_timeout_s: float = Field(5.0, gt=0)
     # After a draft failure, rounds draft by prompt lookup for this long before trying the pool again.
     draft_retry_after_s: float = Field(2.0, ge=0)

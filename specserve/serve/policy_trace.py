@@ -39,8 +39,8 @@ def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_
     """One round of `state` as the trace records it (`k`: the depth the round asked for, a cap
     the proposer may stop short of; `warming_up`: the round began in the warm-up of a switch to
     the model; `draft_syncing`: the draft pool catches up on the request in the background
-    (its rounds run target-only meanwhile); `counted`: its epoch (`epoch`, numbered) measures it; `estimates`: each mode's
-    goodput measured so far at this load; see MeasuredModes)."""
+    (its rounds run target-only meanwhile); `counted`: its epoch (`epoch`, numbered) measures
+    it; `estimates`: each mode's goodput measured so far at this load; see MeasuredModes)."""
     def line(coefficients: tuple[float, float]) -> list[float]:
         return [round(c, 5) for c in coefficients]
 
@@ -56,7 +56,8 @@ def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_
         "draft_step": line(load.draft.coefficients()) if load.draft.observed else None,
         "batch_ema": round(load.batch_ema, 2), "overhead_s": round(load.overhead_s, 4),
         "draft_overhead_s": None if load.draft_overhead_s is None else round(load.draft_overhead_s, 4),
-        "catch_up": catch_up, "draft_syncing": state.draft_syncing, "round_s": round(round_s, 4), "accepted": result.num_accepted,
+        "catch_up": catch_up, "draft_syncing": state.draft_syncing, "round_s": round(round_s, 4),
+        "accepted": result.num_accepted,
         "target_load": _load(result.load), "draft_load": _load(proposal.load if proposal is not None else None),
         "drafted": max(proposal.tree.depths, default=0) if proposal is not None else 0,  # levels
         "acceptance": _rounded(acceptance.rates) if acceptance is not None else None,

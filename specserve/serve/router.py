@@ -7,9 +7,9 @@ Each request runs its own round loop (propose -> verify -> commit -> stream); th
 the calls of concurrent requests into shared forward passes. The router is torch-free.
 
 Failure handling, all exact:
-- draft pool down, failing, or silent (no reply to any call) for `draft_timeout_s` beyond a
-  call's expected time: the round drafts by prompt lookup, and the draft pool is left alone for
-  `draft_retry_after_s`. A pool that is busy but answering is waited for (serve/liveness.py);
+- draft pool down, failing, or silent (no reply to any call for `draft_timeout_s` beyond a
+  call's expected time, and no answer to a ping): the round drafts by prompt lookup, and the
+  draft pool is left alone for `draft_retry_after_s`. A busy pool is waited for (serve/liveness.py);
 - target replica died mid-call: the same VerifyRequest is retried on another replica. It is
   deterministic (same token ids, same draft, same seed), so no token is lost or repeated;
 - client gone (stream closed, request cancelled): the request's caches are released in both pools.
