@@ -598,8 +598,8 @@ class MeasuredModes:
     began in its window, each whole: goodput = their tokens / their seconds (each round's wall
     time less the prompt prefills it overlapped: those come with arrivals in either mode; a
     round that spent more than half its time so is not counted) x requests in flight. Why
-    rounds, not the tokens any round emitted in the epoch: at 16 streams on this CPU a round of the model takes ~5 s and one off ~1.5 s, longer than a 4-s
-    epoch, so an epoch counted mostly rounds that began in the one before, in the other mode,
+    rounds, not the tokens any round emitted in the epoch: at 16 streams on this CPU a round of
+    the model takes ~5 s and one off ~1.5 s, longer than a 4-s epoch, so an epoch counted mostly rounds that began in the one before, in the other mode,
     and its own rounds' tokens went to the next. A round's first (the prompt's prefill) is not
     counted. The goodput goes to the EMA of the epoch's mode at its level (log2 buckets of
     requests in flight); an epoch whose level changed, or that did not close within

@@ -153,6 +153,11 @@ class RequestState:
     def _depth(self) -> int:
         return self.speculation.depth if self.policy_k is None else self.policy_k
 
+    @property
+    def draft_unseen(self) -> int:
+        """Tokens the draft pool has not seen: what it must prefill before drafting again."""
+        return len(self.token_ids) - self.draft_synced
+
     def draft_sync_due(self) -> bool:
         """Serving: whether the draft pool should catch up on this request in the background
         now, its rounds running target-only meanwhile, instead of a round waiting for the
@@ -168,7 +173,7 @@ class RequestState:
         if (not self.prefill_without_draft or self.draft_syncing or self.pinned_depth or spec.co_located
                 or spec.draft_cost != "pool" or self._depth() == 0 or self.room() <= 1):
             return False
-        return draft_catches_up(len(self.token_ids) - self.draft_synced, spec.depth)
+        return draft_catches_up(self.draft_unseen, spec.depth)
 
     def sync_request(self) -> ProposeRequest:
         """The background catch-up's call: a one-token draft (its prefill is the point; the
@@ -223,7 +228,7 @@ class RequestState:
             decision = Decision(spec.depth, {}, "measured")
         else:
             decision = policy.choose(self.acceptance, load, current=current, max_k=spec.depth, batch=batch,
-                                     draft_cost=spec.draft_cost, catch_up=len(self.token_ids) - self.draft_synced,
+                                     draft_cost=spec.draft_cost, catch_up=self.draft_unseen,
                                      room=self.room(), probe_from_off=not measured_level)
         self.policy_k = decision.k
         self.stats.policy_decisions[decision.reason] = self.stats.policy_decisions.get(decision.reason, 0) + 1

@@ -112,6 +112,14 @@ class ClosingStreamingResponse(StreamingResponse):
             self.on_close()
 
 
+async def _free(pool: DeploymentHandle, request_id: str) -> None:
+    """Release a request's caches in a pool."""
+    try:
+        await pool.release.remote(request_id)
+    except Exception:  # the replica is gone: its caches went with it
+        pass
+
+
 @serve.deployment
 @serve.ingress(app)
 class Router(GrpcApi):
@@ -187,22 +195,18 @@ class Router(GrpcApi):
 
     def _sync_draft(self, state: RequestState) -> None:
         """Start the draft pool's catch-up on `state` in the background (RequestState.draft_sync_due)."""
-        before = state.draft_synced
+        expected_s = self._expected_draft_s(state.draft_unseen, 1)
         request = state.sync_request()
         mark = self.prefills.start(False, time.monotonic(), catch_up=True)
 
         async def sync():
             try:
-                await self._propose(request, state.speculation.proposer,
-                                    self._expected_draft_s(len(request.token_ids) - before, 1))
+                await self._propose(request, state.speculation.proposer, expected_s)
             finally:
                 self.prefills.end(mark, time.monotonic())
                 state.draft_syncing = False
                 if state.released and self.draft is not None:  # it ended after the release: free it again
-                    try:
-                        await self.draft.release.remote(state.request_id)
-                    except Exception:  # the replica is gone: its caches went with it
-                        pass
+                    await _free(self.draft, state.request_id)
 
         task = asyncio.get_running_loop().create_task(sync())
         self._background.add(task)
@@ -241,19 +245,12 @@ class Router(GrpcApi):
         state.released = True
         request_id = state.request_id
         self.ngram.release(request_id)
-
-        async def release(pool):
-            try:
-                await pool.release.remote(request_id)
-            except Exception:  # the replica is gone: its caches went with it
-                pass
-
         for pool in (self.target, self.draft):
             if pool is not None:
                 # A fresh context: calls made in the request's own context are its children, and
                 # Serve cancels children still waiting for a replica when the request is
                 # cancelled, which is exactly when a disconnect releases.
-                task = asyncio.get_running_loop().create_task(release(pool), context=contextvars.Context())
+                task = asyncio.get_running_loop().create_task(_free(pool, request_id), context=contextvars.Context())
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
 
@@ -296,7 +293,7 @@ class Router(GrpcApi):
                 mode = ticket.mode if ticket is not None else "model"
                 warming_up = ticket is not None and self.modes.warming_up
                 prompts_before = self.prefills.busy_s(round_start)
-                catch_up = len(state.prompt_ids) + len(state.output_ids) - state.draft_synced  # unseen by the draft
+                catch_up = state.draft_unseen
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off",
                                             measured_level=self.modes.measures(self.in_rounds))
                 if state.draft_sync_due():  # the draft pool catches up meanwhile: this round runs target-only
