@@ -6,7 +6,9 @@ replicas, a draft pool, two routers (killing one leaves another).
 - a stream resumed from any point (`resume_token_ids`) continues exactly where it broke;
 - killing a draft, a target or a router replica under load: the guarantees DESIGN.md makes
   (specserve.benchmarks.faults runs the same injections at a larger scale); streams on a killed
-  router are resumed by their clients and complete exactly.
+  router are resumed by their clients and complete exactly. These fault tests (marked `faults`,
+  about 15 minutes on 2 cores) are left out of `make test`, which CI runs: `make test-faults`.
+  tests/test_serve.py kills a draft and a target replica mid-stream in every run.
 """
 
 from __future__ import annotations
@@ -186,8 +188,10 @@ def test_a_thousand_cancelled_requests_leave_no_cached_request(hardening, refere
     assert by_outcome["cancelled"] >= CANCELS
     kinds = {kind for (kind, outcome) in outcomes if outcome == "cancelled"}
     assert len(kinds) == 6, outcomes  # every way of giving up happened
-    # the client is gone in every case: both pools drop every cache (releases run in the background)
-    assert rel.wait_until(lambda: rel.total_cached_requests(APP) == 0, 60), rel.total_cached_requests(APP)
+    # the client is gone in every case: both pools drop every cache (releases run in the background).
+    # Not all at once: Serve's gRPC proxy does not pass every client cancellation on (a few dozen
+    # of 1,000 here), and those requests run to their end, slowly on 2 shared cores (up to ~2 min).
+    assert rel.wait_until(lambda: rel.total_cached_requests(APP) == 0, 240), rel.total_cached_requests(APP)
     expected = expected_texts(reference, PROMPTS[:1], 16)
     r = httpx.post(f"{URL}/v1/completions", timeout=120,
                    json={"model": "smol", "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0})
@@ -248,6 +252,7 @@ def test_a_bad_resume_gets_a_400(hardening, resume, message):
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("kind", ["draft", "target", "router"])
 def test_killing_a_replica_under_load(hardening, fault_reference, kind):
     """draft or target killed: every stream completes exactly (prompt lookup while the draft is
@@ -268,6 +273,7 @@ def test_killing_a_replica_under_load(hardening, fault_reference, kind):
     assert run.cached_after == 0
 
 
+@pytest.mark.faults
 def test_grpc_streams_on_a_killed_router_are_resumed_by_the_client(hardening, fault_reference):
     """The same through Serve's gRPC proxy with `specserve.client`: streams with `resumes=3`
     whose router is killed mid-way complete, each exactly the target's greedy text."""

@@ -86,7 +86,10 @@ class PoolArgs(_DeploymentArgs):
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
     placement_group_bundles: list[dict[str, float]] | None = None
     placement_group_strategy: str | None = None
-    max_ongoing_requests: int = Field(64, ge=1)
+    # A pool call only waits in the replica's batcher, which is cheap; the routers bound the
+    # requests. At this cap the replica rejects calls and Serve's routers back off and probe
+    # it, which on a busy replica stalled one router's draft calls for over a minute.
+    max_ongoing_requests: int = Field(1024, ge=1)
     max_queued_requests: int = Field(-1, ge=-1)
     health_check_period_s: float = Field(10, gt=0)
     health_check_timeout_s: float = Field(60, gt=0)

@@ -67,6 +67,7 @@ async def await_while_alive(call: Awaitable[T], liveness: PoolLiveness, *, expec
                 if ping is not None and now - started < max_s and await _answers(ping, quiet_s):
                     liveness.replied(clock())  # busy, not down
                     continue
+                now = clock()  # after the ping
                 raise TimeoutError(f"no reply in {now - started:.1f} s (pool last heard "
                                    f"{'never' if liveness.last_reply is None else f'{now - liveness.last_reply:.1f} s ago'})")
             done, _ = await asyncio.wait({task}, timeout=deadline - now)
