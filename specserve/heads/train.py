@@ -117,7 +117,7 @@ class TrainOptions:
 
 
 def quick_options(**overrides) -> TrainOptions:
-    """A short run (about a minute for smollm2-135m-instruct on 2 CPU cores) whose heads
+    """A short run (about 5 minutes for smollm2-135m-instruct on 2 CPU cores) whose heads
     clearly beat untrained ones: for tests and smoke runs."""
     base = TrainOptions(num_heads=2, steps=300, batch_size=256, max_tokens=16_000, eval_tokens=1024,
                         generated_tokens=3000, generated_eval_tokens=512, generated_max_new=128,
