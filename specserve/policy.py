@@ -566,6 +566,8 @@ class _ModeGoodput:
     epochs: int = 0
     explore_every: int = 5  # epochs between explorations now
     next_explore: int = 5  # the epoch count at which the next exploration runs
+    warm_up_s: float = 0.0  # how long the level's last switch to the model warmed up
+    explore_after: float = 0.0  # and no exploration before this time (MeasuredModes.explore_budget)
 
 
 @dataclass(frozen=True)
@@ -616,7 +618,11 @@ class MeasuredModes:
     warm-up that measures nothing: at least `epoch_s`, and on until no catch-up runs (at most
     `max_warm_up_epochs` epochs); the model's window opens after it (measured with the
     catch-ups in, the model's first epochs at code 16 ran through 978 and 1350 tokens of them
-    and measured low, and the level ran off although always on was 12% faster).
+    and measured low, and the level ran off although always on was 12% faster). The warm-up's
+    length is what a switch costs at the level, and explorations keep to `explore_budget` of
+    the time: after a warm-up of W seconds the level explores no sooner than W / budget
+    seconds later (at code 16 on 2 cores a switch warms up ~40 s, and an exploration in each
+    5-minute pass cost ~10% of goodput).
     Below `min_in_flight` requests the model alone decides: a lone request has no other
     requests' costs it cannot see, and at 2 an epoch's goodput swings with whether a prompt's
     prefill fell in it more than the modes differ. The measurements behind each of these
@@ -650,6 +656,7 @@ class MeasuredModes:
     # (RequestState.draft_sync_due) the target keeps emitting meanwhile, and 16 of them take
     # ~45 s of a 2-core CPU's draft pool
     max_warm_up_epochs: float = 10.0
+    explore_budget: float = 0.05  # the share of a level's time its switches to the model may take
     levels: dict[int, _ModeGoodput] = field(default_factory=dict)
     current: str = "model"
     warming_up: bool = False  # the running epoch is a switch to the model's warm-up: not measured
@@ -727,11 +734,12 @@ class MeasuredModes:
                 self._start(now, 0, in_flight, "model", False)
             return
         if self._started is None or level != self._level:  # the load moved: the epoch measures nothing
-            self._start(now, level, in_flight, *self._next(level, prefilling))
+            self._start(now, level, in_flight, *self._next(level, prefilling, now))
             return
         elapsed = now - self._started
         if self.warming_up:
             if elapsed >= self.max_warm_up_epochs * self.epoch_s or (elapsed >= self.epoch_s and not catching_up):
+                self._warmed_up(level, now, elapsed)
                 self._start(now, level, in_flight, "model", self._exploring, self._retries)  # now measure it
             return
         if self._window and elapsed >= self.epoch_s and self._starts >= self._needed:
@@ -744,7 +752,14 @@ class MeasuredModes:
             return
         if not measured and self._exploring:  # given up: wait as after one that left the decision as it was
             self._back_off(self._measured(level), overturned=False)
-        self._start(now, level, in_flight, *self._next(level, prefilling))
+        self._start(now, level, in_flight, *self._next(level, prefilling, now))
+
+    def _warmed_up(self, level: int, now: float, warm_up_s: float) -> None:
+        """A switch to the model warmed up for `warm_up_s`: the level's explorations wait
+        until that is at most `explore_budget` of the time since."""
+        measured = self._measured(level)
+        measured.warm_up_s = warm_up_s
+        measured.explore_after = max(measured.explore_after, now + warm_up_s * (1 / self.explore_budget - 1))
 
     def _start(self, now: float, level: int, in_flight: int, mode: str, exploring: bool, retries: int = 0) -> None:
         # a switch to the model warms up first (and a warm-up cut short by a change of level goes on)
@@ -787,11 +802,12 @@ class MeasuredModes:
         mine, other = (measured.model, measured.off) if mode == "model" else (measured.off, measured.model)
         return mine is not None and other is not None and mine > other * (1 + self.hysteresis)
 
-    def _next(self, level: int, prefilling: bool = False) -> tuple[str, bool]:
-        """The mode of the next epoch at `level`, and whether it explores. While prompts
-        prefill, an epoch neither takes a first measurement nor explores: an epoch of the model
-        would make the draft pool catch up exactly while the target prefills; it runs the
-        better mode so far, off until both are measured."""
+    def _next(self, level: int, prefilling: bool, now: float) -> tuple[str, bool]:
+        """The mode of the next epoch at `level`, and whether it explores (due by the epochs
+        since the last, and by `explore_budget`). While prompts prefill, an epoch neither
+        takes a first measurement nor explores: an epoch of the model would make the draft
+        pool catch up exactly while the target prefills; it runs the better mode so far, off
+        until both are measured."""
         measured = self._measured(level)
         if prefilling and (measured.model is None or measured.off is None):
             return "off", False
@@ -800,6 +816,6 @@ class MeasuredModes:
         if measured.off is None:
             return "off", False
         best = next((mode for mode in ("off", "model") if self._clearly_better(measured, mode)), self.current)
-        if not prefilling and measured.epochs >= measured.next_explore:
+        if not prefilling and measured.epochs >= measured.next_explore and now >= measured.explore_after:
             return ("off" if best == "model" else "model"), True
         return best, False

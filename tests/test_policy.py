@@ -908,7 +908,8 @@ def test_epochs_neither_measure_the_model_first_nor_explore_while_prompts_prefil
     assert epoch(18.0, 1) == "off"
     measured = modes.levels[level]
     assert measured.model == pytest.approx(4.0)
-    measured.next_explore = measured.epochs  # an exploration is due
+    assert measured.warm_up_s == pytest.approx(4.0) and measured.explore_after == pytest.approx(13.0 + 19 * 4.0)
+    measured.next_explore, measured.explore_after = measured.epochs, 0.0  # an exploration is due
     assert epoch(23.0, 1, prefilling=True) == "off"  # it waits for the prefill
     assert modes.begin(28.0, 8).mode == "model" and modes.warming_up  # and runs once none is running
     # where the model measured better, a prefill's epoch runs the model
@@ -956,6 +957,52 @@ def test_a_switch_to_the_model_warms_up_until_the_draft_pools_caught_up_then_mea
         modes.end(r, 1, 0.5)
     assert modes.begin(1.1, 3).mode == "off" and not modes.warming_up
     assert modes.begin(1.2, 2).mode == "model" and not modes.warming_up
+
+
+def test_explorations_keep_to_their_budget_of_the_time_by_what_the_last_switch_cost():
+    """A switch to the model costs its warm-up (code at 16 streams on 2 cores: ~40 s of
+    catch-ups, run at about half off's goodput, and an exploration in each 5-minute pass cost
+    ~10%). So after a warm-up of W s a level explores no sooner than W / explore_budget s later,
+    however many epochs are due; cheap switches (one-epoch warm-ups) come more often."""
+    level = MeasuredModes.level(16)
+
+    def epoch(modes: MeasuredModes, start: float, catching_up: bool = False) -> tuple[str, bool]:
+        """16 rounds from `start` and the tail's first 4 s later (off emits 2 tokens, the
+        model 1: off leads); the epoch's mode and whether it began a warm-up."""
+        first = modes.begin(start, 16, catching_up=catching_up)
+        warming_up = modes.warming_up
+        rounds = [first] + [modes.begin(start + 0.01 * i, 16, catching_up=catching_up) for i in range(1, 16)]
+        rounds.append(modes.begin(start + 4.0, 16, catching_up=catching_up))
+        for r in rounds:
+            modes.end(r, 2 if r.mode == "off" else 1, 2.0)
+        return first.mode, warming_up
+
+    def explorations(budget: float, warm_up_s: float) -> tuple[list[float], MeasuredModes]:
+        """When the switches to the model began over 1,000 s, the first after a warm-up of
+        `warm_up_s` (catch-ups running)."""
+        modes = MeasuredModes(epoch_s=4.0, max_warm_up_epochs=10, explore_budget=budget)
+        measured = modes._measured(level)
+        measured.model, measured.off, measured.epochs, measured.next_explore = 10.0, 12.0, 6, 6  # off leads; due
+        modes.current = "off"
+        t, switches, was_warming_up = 0.0, [], False
+        while t < 1000.0:
+            mode, warming_up = epoch(modes, t, catching_up=t < warm_up_s)
+            if warming_up and not was_warming_up:
+                switches.append(t)
+            t, was_warming_up = t + 4.2, warming_up
+        return switches, modes
+
+    switches, modes = explorations(0.05, warm_up_s=40.0)
+    measured = modes.levels[level]
+    assert switches[0] == 0.0  # the exploration due at once; the next ...
+    assert switches[1] >= 40.0 + 19 * 40.0  # ... once its 40-s warm-up was 5% of the time since
+    assert measured.warm_up_s == pytest.approx(4.0)  # later ones warmed up for an epoch ...
+    assert all(b - a >= 19 * 4.0 for a, b in zip(switches[1:], switches[2:]))  # ... and wait 19 times that
+    unbudgeted, _ = explorations(1.0, warm_up_s=40.0)
+    assert len(unbudgeted) >= 4 and unbudgeted[1] < 200.0  # by the epochs alone: every 5, 10, 20, 40
+    cheap, _ = explorations(0.05, warm_up_s=0.0)  # one-epoch warm-ups only: 76 s apart at least
+    assert len(cheap) > len(switches) and cheap[1] < 100.0
+    assert all(b - a >= 19 * 4.0 for a, b in zip(cheap, cheap[1:]))
 
 
 def test_an_exploration_that_measured_nothing_goes_on_then_backs_off():
