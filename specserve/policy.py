@@ -165,6 +165,12 @@ class LoadModel:
     def observe_draft(self, batch_tokens: int, step_s: float) -> None:
         self.draft.observe(batch_tokens, step_s)
 
+    def catch_up_s(self, tokens: int) -> float:
+        """The draft pool's time for a catch-up of `tokens`, from its fitted step time (the
+        target's, an upper bound, before the draft pool's first reply; 0 before either's)."""
+        model = self.draft if self.draft.observed else self.target
+        return model.predict(tokens) if tokens > 0 else 0.0
+
     def observe_overhead(self, seconds: float, *, draft_call: bool = False) -> None:
         seconds = max(0.0, seconds)
         if not draft_call:
@@ -568,6 +574,7 @@ class _ModeGoodput:
     next_explore: int = 5  # the epoch count at which the next exploration runs
     warm_up_s: float = 0.0  # how long the level's last switch to the model warmed up
     explore_after: float = 0.0  # and no exploration before this time (MeasuredModes.explore_budget)
+    since: float | None = None  # when the level's first epoch began
 
 
 @dataclass(frozen=True)
@@ -622,7 +629,10 @@ class MeasuredModes:
     length is what a switch costs at the level, and explorations keep to `explore_budget` of
     the time: after a warm-up of W seconds the level explores no sooner than W / budget
     seconds later (at code 16 on 2 cores a switch warms up ~40 s, and an exploration in each
-    5-minute pass cost ~10% of goodput).
+    5-minute pass cost ~10% of goodput). The level's first measurement of the model keeps to
+    the same budget, by the switch's predicted cost (`switch_cost_s`: the draft pools'
+    catch-ups): until it fits, the level runs off (at code 16 the first measurement cost ~30 s
+    of a 5-minute pass, always on and always off being within 4% of each other).
     Below `min_in_flight` requests the model alone decides: a lone request has no other
     requests' costs it cannot see, and at 2 an epoch's goodput swings with whether a prompt's
     prefill fell in it more than the modes differ. The measurements behind each of these
@@ -671,6 +681,7 @@ class MeasuredModes:
     _seconds: float = 0.0  # ... in their own time
     _in_flight: int = 0  # summed over the window's round starts
     _exploring: bool = False  # the running epoch runs the mode its level measured worse
+    _switch_cost_s: float = 0.0  # what a switch to the model would cost now (begin's argument)
     _retries: int = 0  # epochs the running exploration went on after ones that measured nothing
 
     @staticmethod
@@ -696,15 +707,18 @@ class MeasuredModes:
         if not self.measures(in_flight):
             return None
         measured = self.levels.get(self.level(in_flight), _ModeGoodput())
-        return {"model": measured.model, "off": measured.off}
+        return {"model": measured.model, "off": measured.off, "switch_cost_s": round(self._switch_cost_s, 3)}
 
     def begin(self, now: float, in_flight: int, *, prefilling: bool = False, catching_up: bool = False,
-              first_round: bool = False) -> RoundTicket:
+              first_round: bool = False, switch_cost_s: float = 0.0) -> RoundTicket:
         """A round of a steered request begins now: its mode, "model" (the per-request policy
         decides) or "off". `prefilling`: a prompt prefill runs now (PrefillWatch.active, this
         round's own included); `catching_up`: a draft pool's catch-up runs now
         (PrefillWatch.catching_up); `first_round`: this round prefills its prompt (never
-        counted). Hand the ticket to `end` when the round ends, however it ends."""
+        counted); `switch_cost_s`: what switching the requests to the model would cost now (the
+        draft pools' catch-ups, predicted; 0 without a draft pool). Hand the ticket to `end`
+        when the round ends, however it ends."""
+        self._switch_cost_s = switch_cost_s
         level = self.level(in_flight) if self.measures(in_flight) else 0
         self._advance(now, level, in_flight, prefilling, catching_up)
         counted = self._window and not first_round
@@ -809,10 +823,13 @@ class MeasuredModes:
         pool catch up exactly while the target prefills; it runs the better mode so far, off
         until both are measured."""
         measured = self._measured(level)
+        if measured.since is None:
+            measured.since = now
         if prefilling and (measured.model is None or measured.off is None):
             return "off", False
-        if measured.model is None:
-            return "model", False
+        if measured.model is None:  # its first measurement, once the switch fits the budget
+            fits = now - measured.since >= self._switch_cost_s * (1 / self.explore_budget - 1)
+            return ("model" if fits else "off"), False
         if measured.off is None:
             return "off", False
         best = next((mode for mode in ("off", "model") if self._clearly_better(measured, mode)), self.current)

@@ -1005,6 +1005,48 @@ def test_explorations_keep_to_their_budget_of_the_time_by_what_the_last_switch_c
     assert all(b - a >= 19 * 4.0 for a, b in zip(cheap, cheap[1:]))
 
 
+def test_a_level_s_first_measurement_of_the_model_waits_until_its_switch_fits_the_budget():
+    """Measuring the model first at a level costs a switch too: every request's draft pool
+    catches up on its whole text (code at 16 streams: ~2,300 tokens, ~40 s of a 2-core CPU, in
+    a 5-minute pass where always on and always off finish within 4% of each other). So the
+    level runs off until the switch's predicted cost is `explore_budget` of the time since the
+    level began; a cheap switch (heads, a fast draft pool) measures the model at once."""
+    def epoch(modes: MeasuredModes, start: float, cost: float) -> tuple[str, bool]:
+        rounds = [modes.begin(start + 0.01 * i, 16, switch_cost_s=cost) for i in range(16)]
+        warming_up = modes.warming_up
+        rounds.append(modes.begin(start + 4.0, 16, switch_cost_s=cost))
+        for r in rounds:
+            modes.end(r, 1, 2.0)
+        return rounds[0].mode, warming_up
+
+    modes = MeasuredModes(epoch_s=4.0, explore_budget=0.05)
+    first = [modes.begin(0.1 * i, 16, prefilling=True, first_round=True) for i in range(16)]
+    assert all(r.mode == "off" for r in first)  # the prompts prefill: off
+    for r in first:
+        modes.end(r, 1, 3.0)
+    t, modes_run = 5.0, []
+    while t < 1000.0:
+        modes_run.append((t, *epoch(modes, t, cost=40.0)))
+        t += 4.5
+    switched = next(t for t, mode, _ in modes_run if mode == "model")
+    assert 19 * 40.0 <= switched < 19 * 40.0 + 10.0  # off until 40 s is 5% of the level's time
+    assert all(mode == "off" for t, mode, _ in modes_run if t < switched)
+    assert modes.levels[MeasuredModes.level(16)].off is not None  # measured meanwhile
+
+    modes = MeasuredModes(epoch_s=4.0, explore_budget=0.05)
+    assert epoch(modes, 0.0, cost=0.0)[0] == "model"  # nothing to catch up: the model at once
+
+    # the router's prediction of a catch-up: the draft pool's step time, the target's before it
+    load = LoadModel()
+    assert load.catch_up_s(2000) == 0.0  # nothing observed yet
+    for tokens in (16, 256, 16, 512):
+        load.observe_target(16, tokens, 0.2 + 0.02 * tokens)
+    assert load.catch_up_s(2000) == pytest.approx(0.2 + 0.02 * 2000, rel=0.05) and load.catch_up_s(0) == 0.0
+    for tokens in (8, 128, 8, 256):
+        load.observe_draft(tokens, 0.05 + 0.005 * tokens)
+    assert load.catch_up_s(2000) == pytest.approx(0.05 + 0.005 * 2000, rel=0.05)
+
+
 def test_an_exploration_that_measured_nothing_goes_on_then_backs_off():
     """An exploration's epoch whose rounds all failed (or hung) measured nothing: it goes on,
     up to explore_retries more epochs; one that stays unmeasured ends, the better mode runs

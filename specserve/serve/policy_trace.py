@@ -40,7 +40,8 @@ def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_
     the proposer may stop short of; `warming_up`: the round began in the warm-up of a switch to
     the model; `draft_syncing`: the draft pool catches up on the request in the background
     (its rounds run target-only meanwhile); `counted`: its epoch (`epoch`, numbered) measures
-    it; `estimates`: each mode's goodput measured so far at this load; see MeasuredModes)."""
+    it; `estimates`: each mode's goodput measured so far at this load, and what a switch to the
+    model would cost now; see MeasuredModes)."""
     def line(coefficients: tuple[float, float]) -> list[float]:
         return [round(c, 5) for c in coefficients]
 

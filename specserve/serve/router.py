@@ -212,6 +212,13 @@ class Router(GrpcApi):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def _switch_cost_s(self, state: RequestState) -> float:
+        """What switching the requests in rounds to the model would cost now: their draft
+        pools' catch-ups, taken to be this request's times their number."""
+        if state.speculation.draft_cost != "pool":
+            return 0.0
+        return self.load.catch_up_s(state.draft_unseen * self.in_rounds)
+
     def _expected_draft_s(self, catch_up: int, k: int) -> float:
         """What a draft call should take: its catch-up prefill and k steps at the draft pool's
         fitted step time (0 before the pool's first reply)."""
@@ -288,7 +295,8 @@ class Router(GrpcApi):
                 self.load.in_flight = self.in_rounds
                 # only requests the policy steers take part in (and are measured by) its epochs
                 ticket = (self.modes.begin(round_start, self.in_rounds, prefilling=self.prefills.active > 0 or prefill,
-                                           catching_up=self.prefills.catching_up > 0, first_round=prefill)
+                                           catching_up=self.prefills.catching_up > 0, first_round=prefill,
+                                           switch_cost_s=self._switch_cost_s(state))
                           if state.adaptive else None)
                 mode = ticket.mode if ticket is not None else "model"
                 warming_up = ticket is not None and self.modes.warming_up
