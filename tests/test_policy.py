@@ -1036,15 +1036,16 @@ def test_a_level_s_first_measurement_of_the_model_waits_until_its_switch_fits_th
     modes = MeasuredModes(epoch_s=4.0, explore_budget=0.05)
     assert epoch(modes, 0.0, cost=0.0)[0] == "model"  # nothing to catch up: the model at once
 
-    # the router's prediction of a catch-up: the draft pool's step time, the target's before it
+    # the router's prediction of a catch-up: the target's step time, which prompt prefills fit
+    # too (the draft pool's decode passes alone put a prefill's per-token cost far too low)
     load = LoadModel()
     assert load.catch_up_s(2000) == 0.0  # nothing observed yet
     for tokens in (16, 256, 16, 512):
         load.observe_target(16, tokens, 0.2 + 0.02 * tokens)
     assert load.catch_up_s(2000) == pytest.approx(0.2 + 0.02 * 2000, rel=0.05) and load.catch_up_s(0) == 0.0
-    for tokens in (8, 128, 8, 256):
-        load.observe_draft(tokens, 0.05 + 0.005 * tokens)
-    assert load.catch_up_s(2000) == pytest.approx(0.05 + 0.005 * 2000, rel=0.05)
+    for tokens in (8, 12, 8, 16):
+        load.observe_draft(tokens, 0.3 + 0.001 * tokens)
+    assert load.catch_up_s(2000) == pytest.approx(0.2 + 0.02 * 2000, rel=0.05)
 
 
 def test_an_exploration_that_measured_nothing_goes_on_then_backs_off():

@@ -214,7 +214,7 @@ class Router(GrpcApi):
 
     def _switch_cost_s(self, state: RequestState) -> float:
         """What switching the requests in rounds to the model would cost now: their draft
-        pools' catch-ups, taken to be this request's times their number."""
+        pools' catch-ups, taken to be this request's times their number (LoadModel.catch_up_s)."""
         if state.speculation.draft_cost != "pool":
             return 0.0
         return self.load.catch_up_s(state.draft_unseen * self.in_rounds)
