@@ -610,8 +610,9 @@ class MeasuredModes:
     time less the prompt prefills it overlapped: those come with arrivals in either mode; a
     round that spent more than half its time so is not counted) x requests in flight. Why
     rounds, not the tokens any round emitted in the epoch: at 16 streams on this CPU a round of
-    the model takes ~5 s and one off ~1.5 s, longer than a 4-s epoch, so an epoch counted mostly rounds that began in the one before, in the other mode,
-    and its own rounds' tokens went to the next. A round's first (the prompt's prefill) is not
+    the model takes ~5 s and one off ~1.5 s, longer than a 4-s epoch, so an epoch counted
+    mostly rounds that began in the one before, in the other mode, and its own rounds' tokens
+    went to the next. A round's first (the prompt's prefill) is not
     counted. The goodput goes to the EMA of the epoch's mode at its level (log2 buckets of
     requests in flight); an epoch whose level changed, or that did not close within
     `max_epoch_s` (rounds hanging), measures nothing. While a prompt prefills, an epoch takes no
@@ -775,7 +776,12 @@ class MeasuredModes:
         until that is at most `explore_budget` of the time since."""
         measured = self._measured(level)
         measured.warm_up_s = warm_up_s
-        measured.explore_after = max(measured.explore_after, now + warm_up_s * (1 / self.explore_budget - 1))
+        measured.explore_after = max(measured.explore_after, now + self._budget_wait(warm_up_s))
+
+    def _budget_wait(self, switch_s: float) -> float:
+        """How long a level runs without switching for a switch of `switch_s` to be
+        `explore_budget` of the time."""
+        return switch_s * (1 / self.explore_budget - 1)
 
     def _start(self, now: float, level: int, in_flight: int, mode: str, exploring: bool, retries: int = 0) -> None:
         # a switch to the model warms up first (and a warm-up cut short by a change of level goes on)
@@ -830,7 +836,7 @@ class MeasuredModes:
         if prefilling and (measured.model is None or measured.off is None):
             return "off", False
         if measured.model is None:  # its first measurement, once the switch fits the budget
-            fits = now - measured.since >= self._switch_cost_s * (1 / self.explore_budget - 1)
+            fits = now - measured.since >= self._budget_wait(self._switch_cost_s)
             return ("model" if fits else "off"), False
         if measured.off is None:
             return "off", False

@@ -208,7 +208,12 @@ class Router(GrpcApi):
                 if state.released and self.draft is not None:  # it ended after the release: free it again
                     await _free(self.draft, state.request_id)
 
-        task = asyncio.get_running_loop().create_task(sync())
+        self._in_background(sync())
+
+    def _in_background(self, coroutine, context: contextvars.Context | None = None) -> None:
+        """Run `coroutine` as a task this router keeps a reference to until it ends (asyncio
+        keeps only weak ones)."""
+        task = asyncio.get_running_loop().create_task(coroutine, context=context)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -257,9 +262,7 @@ class Router(GrpcApi):
                 # A fresh context: calls made in the request's own context are its children, and
                 # Serve cancels children still waiting for a replica when the request is
                 # cancelled, which is exactly when a disconnect releases.
-                task = asyncio.get_running_loop().create_task(_free(pool, request_id), context=contextvars.Context())
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._in_background(_free(pool, request_id), context=contextvars.Context())
 
     async def _before(self, deadline: float | None, state: RequestState, call):
         """`call`'s result, or DeadlineExceeded once the request's deadline passes (the call is
