@@ -12,11 +12,12 @@ from specserve.serve.config import AppArgs
 
 
 def bench_args(**overrides):
-    values = dict(model="/models/target", draft=None, max_model_len=4096, kv_cache_gib=4.0, load_format="dummy", max_num_seqs=32)
+    values = dict(model="/models/target", draft=None, max_model_len=4096, kv_cache_gib=4.0, load_format="dummy",
+                  max_num_seqs=32, systems=list(gpu_vllm.SYSTEMS))
     return argparse.Namespace(**(values | overrides))
 
 
-def test_both_specserve_systems_are_valid_apps_of_one_valid_serve_config():
+def test_the_specserve_systems_are_valid_apps_of_one_valid_serve_config():
     config = gpu_vllm.specserve_config(bench_args())
     ServeDeploySchema.model_validate(config)
     apps = {app["name"]: AppArgs.model_validate(app["args"]) for app in config["applications"]}
@@ -27,6 +28,17 @@ def test_both_specserve_systems_are_valid_apps_of_one_valid_serve_config():
     assert native == {"method": "draft_model", "model": "/models/target", "num_speculative_tokens": gpu_vllm.K}
     # every engine on the GPU gets a fixed KV budget, so none profiles memory against the others
     assert apps["pools"].draft.engine_kwargs["kv_cache_memory_bytes"] == 4 * 2**30
+    # the same pools again in Ray Serve's throughput-optimized mode; the others in the default
+    assert apps["fastpools"].fast_replica_calls and not apps["pools"].fast_replica_calls
+    assert apps["fastpools"].target == apps["pools"].target
+    # Ray's GPU shares of the pools fit the one GPU
+    shares = [pool.ray_actor_options["num_gpus"] for app in apps.values() for pool in (app.target, app.draft) if pool]
+    assert len(shares) == 5 and sum(shares) <= 1.0
+
+
+def test_only_the_systems_asked_for_are_deployed():
+    config = gpu_vllm.specserve_config(bench_args(systems=["vllm none", "specserve native k=4"]))
+    assert [app["name"] for app in config["applications"]] == ["native"]
 
 
 def test_only_vllm_s_native_server_speculates_and_a_real_draft_is_used_where_named():
@@ -111,7 +123,7 @@ def test_every_engine_gets_the_same_small_batch_limit():
     assert native_args[native_args.index("--max-num-seqs") + 1] == "16"
     config = gpu_vllm.specserve_config(bench_args(max_num_seqs=16))
     pools = [app["args"][role] for app in config["applications"] for role in ("target", "draft") if role in app["args"]]
-    assert len(pools) == 3 and all(p["engine_kwargs"]["max_num_seqs"] == 16 for p in pools)
+    assert len(pools) == 5 and all(p["engine_kwargs"]["max_num_seqs"] == 16 for p in pools)
 
 
 def test_a_bench_past_its_budget_keeps_what_it_measured(tmp_path, monkeypatch):
