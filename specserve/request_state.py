@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from specserve.policy import AcceptanceTracker, Decision, LoadModel, SpeculationPolicy, draft_catches_up
 from specserve.protocol import (
-    DraftShape, Proposal, ProposeRequest, SamplingParams, Speculation, SpecserveError, TokenTree, VerifyRequest,
+    DRAFT_POOL_PROPOSERS, DraftShape, Proposal, ProposeRequest, SamplingParams, Speculation, SpecserveError, TokenTree, VerifyRequest,
     VerifyResult,
 )
 from specserve.trees import add_counts, count_ranks
@@ -40,6 +40,10 @@ class SpecStats:
     policy_decisions: dict[str, int] = field(default_factory=dict)
     # Serving only: wall time of pool calls minus the pools' compute time (transport, queueing).
     round_trip_overhead_s: float = 0.0
+    # Serving with speculation.draft_ahead: next rounds' drafts asked for during a verify, and
+    # those a round used (its chain and bonus token were what the draft ahead assumed).
+    drafts_ahead: int = 0
+    drafts_ahead_used: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -57,6 +61,8 @@ class SpecStats:
         self.num_accepted_tokens += other.num_accepted_tokens
         self.generated_tokens += other.generated_tokens
         self.round_trip_overhead_s += other.round_trip_overhead_s
+        self.drafts_ahead += other.drafts_ahead
+        self.drafts_ahead_used += other.drafts_ahead_used
         for reason, rounds in other.policy_decisions.items():
             self.policy_decisions[reason] = self.policy_decisions.get(reason, 0) + rounds
         for mine, theirs in ((self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos),
@@ -82,6 +88,8 @@ class SpecStats:
             "policy_decisions": dict(self.policy_decisions),
             "round_trip_overhead_ms_per_round": round(
                 1000 * self.round_trip_overhead_s / self.target_steps if self.target_steps else 0.0, 3),
+            "drafts_ahead": self.drafts_ahead,
+            "drafts_ahead_used": self.drafts_ahead_used,
         }
 
 
@@ -115,6 +123,9 @@ class RequestState:
     # Serving: the draft pool is catching up on this request in the background (sync_request);
     # its rounds run target-only until it has.
     draft_syncing: bool = False
+    # Serving with speculation.draft_ahead: the next round's draft, drafted during the last
+    # verify and kept because that round emitted exactly what it was drafted after (take_ahead).
+    ahead: Proposal | None = None
     rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -255,6 +266,48 @@ class RequestState:
         if self.held_proposal is None or k == 0 or not self.speculation.co_located:
             return None
         return self.held_proposal.truncated(k)
+
+    def may_draft_ahead(self, proposal: Proposal | None) -> bool:
+        """Whether the draft pool may draft the next round while this round's `proposal` is
+        verified: a greedy request drafting a chain from a draft pool, with room for a round
+        after this one. Greedy only: a greedy round's output is the target's argmax whatever
+        the draft, so drafting from a guessed context costs at most the draft's time."""
+        spec = self.speculation
+        return (proposal is not None and len(proposal.tree) > 0 and spec.proposer in DRAFT_POOL_PROPOSERS
+                and spec.shape == "chain" and self.params.greedy and self.room() > len(proposal.tree) + 2)
+
+    def ahead_request(self, proposal: Proposal) -> ProposeRequest:
+        """The next round's draft, asked for during this round's verify, on the guess that the
+        round accepts its whole chain: k + 1 tokens after it, the first being the draft's own
+        guess of the round's bonus token."""
+        tokens = self.token_ids + list(proposal.tree.tokens)
+        return ProposeRequest(self.request_id, tokens, len(proposal.tree) + 1, self.params, self.rng.getrandbits(63))
+
+    def keep_ahead(self, request: ProposeRequest, ahead: Proposal | None) -> None:
+        """After a round's commit: keep the draft drafted ahead (`ahead`, asked for by `request`)
+        when the committed tokens are exactly the ones it was drafted after, that is the
+        round's whole chain and then the draft's first token as the bonus token."""
+        self.ahead = None
+        if ahead is None or self.finished:
+            return
+        # the draft pool has seen what it drafted after: of that, all but the round's last token
+        # was committed (the chain and the guess, or the accepted drafts and a correction)
+        self.draft_synced = len(self.token_ids) - 1
+        if len(ahead.tree) < 2:
+            return
+        drafted_after, guess = len(request.token_ids), ahead.tree.tokens[0]
+        if len(self.token_ids) == drafted_after + 1 and self.output_ids[-1] == guess:
+            self.ahead = replace(ahead, tree=TokenTree.chain(ahead.tree.tokens[1:]), compute_s=0.0)
+
+    def take_ahead(self) -> Proposal | None:
+        """This round's draft when the last round kept one (keep_ahead), cut to this round's
+        depth (None: none kept, or this round drafts nothing). Taken once."""
+        ahead, self.ahead = self.ahead, None
+        k = self.round_k()
+        if ahead is None or k == 0:
+            return None
+        self.stats.drafts_ahead_used += 1
+        return ahead.truncated(k)
 
     def verify_request(self, proposal: Proposal | None) -> VerifyRequest:
         seed = self.rng.getrandbits(63)

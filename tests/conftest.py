@@ -240,9 +240,10 @@ def app(cluster, reference, tmp_path_factory):
         "target": {"model": SMOL, "num_replicas": 2, **pool},
         "draft": {"model": str(draft_dir), "num_replicas": 1, **pool},
         # fixed: these tests need every round to draft (failover, batching); test_serve_medusa
-        # covers the load-aware policy
+        # covers the load-aware policy. draft_ahead: greedy rounds also draft the next round
+        # during their verify, so the tier's exactness, failover and release tests cover it too.
         "speculation": {"k": 3, "policy": "fixed", "draft_min_confidence": 0.0, "draft_timeout_s": 3,
-                        "draft_retry_after_s": 0.5},
+                        "draft_retry_after_s": 0.5, "draft_ahead": True},
         "router": {"max_ongoing_requests": 8, "max_queued_requests": 4, "target_retry_timeout_s": 60},
     }), name="specserve", route_prefix="/")
     return serve.get_deployment_handle("TargetPool", "specserve"), serve.get_deployment_handle("DraftPool", "specserve")

@@ -28,9 +28,9 @@ def test_the_specserve_systems_are_valid_apps_of_one_valid_serve_config():
     assert native == {"method": "draft_model", "model": "/models/target", "num_speculative_tokens": gpu_vllm.K}
     # every engine on the GPU gets a fixed KV budget, so none profiles memory against the others
     assert apps["pools"].draft.engine_kwargs["kv_cache_memory_bytes"] == 4 * 2**30
-    # the same pools again in Ray Serve's throughput-optimized mode; the others in the default
-    assert apps["fastpools"].fast_replica_calls and not apps["pools"].fast_replica_calls
-    assert apps["fastpools"].target == apps["pools"].target
+    # the same pools again, drafting the next round during each verify
+    assert apps["aheadpools"].speculation.draft_ahead and not apps["pools"].speculation.draft_ahead
+    assert apps["aheadpools"].target == apps["pools"].target and apps["aheadpools"].draft == apps["pools"].draft
     # Ray's GPU shares of the pools fit the one GPU
     shares = [pool.ray_actor_options["num_gpus"] for app in apps.values() for pool in (app.target, app.draft) if pool]
     assert len(shares) == 5 and sum(shares) <= 1.0

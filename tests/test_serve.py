@@ -67,6 +67,8 @@ def test_completions_greedy_equal_the_target_alone(client, reference):
         assert r.choices[0].finish_reason == ("length" if len(expected) == 40 else "stop")
         spec = r.usage.model_extra["speculation"]
         assert spec["num_draft_tokens"] > 0 and spec["mean_accepted_length"] > 1
+        # the app drafts ahead (conftest): greedy rounds whose chain and guess held started with a draft in hand
+        assert 0 < spec["drafts_ahead_used"] <= spec["drafts_ahead"]
 
 
 def test_chat_completions_greedy_stream_and_not(client, reference):

@@ -51,9 +51,9 @@ SERVE_PORT = 8000
 RAY_LOGS = "/tmp/ray/session_latest/logs"
 SERVER_GPU_SHARE = 0.2  # of the GPU's memory, per `vllm serve`; specserve's pools ask Ray for 0.2 each
 POOL_GPU_SHARE = 0.2  # Ray's GPU share per specserve pool: five pools on the one GPU
-SPECSERVE_ROUTES = {"specserve vllm pools k=4": "/pools", "specserve vllm pools k=4 fast calls": "/fastpools",
+SPECSERVE_ROUTES = {"specserve vllm pools k=4": "/pools", "specserve vllm pools k=4 draft ahead": "/aheadpools",
                     "specserve native k=4": "/native"}
-SYSTEMS = ("vllm none", "vllm native k=4", "specserve vllm pools k=4", "specserve vllm pools k=4 fast calls",
+SYSTEMS = ("vllm none", "vllm native k=4", "specserve vllm pools k=4", "specserve vllm pools k=4 draft ahead",
            "specserve native k=4")
 PROMPTS = (
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -108,8 +108,8 @@ def pool(model: str, kwargs: dict, gpus: float) -> dict:
 
 def specserve_config(args) -> dict:
     """A Serve config with the specserve systems asked for as applications of one cluster: the
-    separate pools (also in Ray Serve's throughput-optimized mode, `fast_replica_calls`) and
-    native mode."""
+    separate pools (also drafting the next round during each verify, `speculation.draft_ahead`)
+    and native mode."""
     kwargs = engine_kwargs(args)
     router = {"ray_actor_options": {"num_cpus": 1}, "max_ongoing_requests": 64, "max_queued_requests": 64}
     pools_app = {"model_name": MODEL_NAME, "target": pool(args.model, kwargs, POOL_GPU_SHARE),
@@ -118,8 +118,10 @@ def specserve_config(args) -> dict:
     native_kwargs = kwargs | {"speculative_config": speculative_config(args.draft or args.model)}
     native_app = {"model_name": MODEL_NAME, "target": pool(args.model, native_kwargs, POOL_GPU_SHARE),
                   "speculation": {"proposer": "native"}, "router": router}
-    apps = {"specserve vllm pools k=4": pools_app, "specserve vllm pools k=4 fast calls": pools_app | {
-        "fast_replica_calls": True}, "specserve native k=4": native_app}
+    apps = {"specserve vllm pools k=4": pools_app,
+            "specserve vllm pools k=4 draft ahead": pools_app | {
+                "speculation": pools_app["speculation"] | {"draft_ahead": True}},
+            "specserve native k=4": native_app}
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": SERVE_PORT},
             "applications": [{"name": SPECSERVE_ROUTES[system].strip("/"), "route_prefix": SPECSERVE_ROUTES[system],
                               "import_path": "specserve.serve:build_app", "args": app}

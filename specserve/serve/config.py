@@ -181,6 +181,12 @@ class SpeculationArgs(_Strict):
     draft_timeout_s: float = Field(5.0, gt=0)
     # After a draft failure, rounds draft by prompt lookup for this long before trying the pool again.
     draft_retry_after_s: float = Field(2.0, ge=0)
+    draft_ahead: bool = Field(
+        False, description="while a round verifies, the draft pool drafts the next round on the guess that the "
+        "whole chain is accepted and the bonus token is the draft's own next token; a round whose guess held "
+        "starts with its draft in hand. Greedy draft chains only (exact: a greedy round emits the target's "
+        "argmax whatever the draft). For pools on their own accelerators (GPUs), where the draft's steps run "
+        "beside the target's verify; on CPU cores that the pools share it only adds work")
 
     @model_validator(mode="before")
     @classmethod
@@ -293,6 +299,9 @@ class AppArgs(_Strict):
         if self.limits.max_tokens is not None and self.max_tokens_default > self.limits.max_tokens:
             raise ValueError(f"max_tokens_default ({self.max_tokens_default}) must not exceed limits.max_tokens "
                              f"({self.limits.max_tokens})")
+        if self.speculation.draft_ahead and self.draft is None:
+            raise ValueError("speculation.draft_ahead drafts the next round in the draft pool while a round "
+                             "verifies: it needs a draft pool (`draft:`)")
         if self.draft is not None and self.draft.heads is not None:
             raise ValueError("heads belong to the target pool (`target.heads`), not the draft pool")
         return self

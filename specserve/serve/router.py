@@ -23,14 +23,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.engine import adapt_speculation, sampling_refusal
@@ -118,6 +118,37 @@ async def _free(pool: DeploymentHandle, request_id: str) -> None:
         await pool.release.remote(request_id)
     except Exception:  # the replica is gone: its caches went with it
         pass
+
+
+@dataclass
+class DraftAhead:
+    """A draft pool call for the next round's draft, made while this round verifies."""
+
+    request: ProposeRequest
+    pool: DeploymentHandle
+    timeout_s: float  # waited for this long after the verify returns, then given up
+
+    def __post_init__(self) -> None:
+        self.response: DeploymentResponse | None = None
+        # a task: the call is sent once the round's verify (sent first) is on its way
+        self.call = asyncio.ensure_future(self._send())
+
+    async def _send(self) -> Proposal:
+        self.response = self.pool.propose.remote(self.request)
+        return await self.response
+
+    async def result(self) -> Proposal | None:
+        """The draft, or None when the call failed or outlasted timeout_s (the next round then
+        proposes as usual: drafting ahead only ever saves time)."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self.call), self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a lost draft ahead costs nothing but its time
+            if not self.call.done():  # outlasted timeout_s: stop it (the pool drops it too)
+                self.call.cancel()
+                if self.response is not None:
+                    self.response.cancel()
+            logger.info("draft ahead not used (%s: %s)", type(exc).__name__, exc)
+            return None
 
 
 @serve.deployment
@@ -209,6 +240,24 @@ class Router(GrpcApi):
                     await _free(self.draft, state.request_id)
 
         self._in_background(sync())
+
+    def _draft_ahead(self, state: RequestState, proposal: Proposal | None) -> DraftAhead | None:
+        """speculation.draft_ahead: ask the draft pool for the next round's draft now, while
+        this round's verify runs (RequestState.may_draft_ahead, ahead_request); None where it
+        does not apply, or while the draft pool is down."""
+        if (not self.spec.draft_ahead or self.draft is None or time.monotonic() < self._draft_down_until
+                or not state.may_draft_ahead(proposal)):
+            return None
+        state.stats.drafts_ahead += 1
+        request = state.ahead_request(proposal)
+        return DraftAhead(request, self.draft, self.spec.draft_timeout_s)
+
+    async def _settle(self, state: RequestState, ahead: DraftAhead) -> None:
+        """A draft ahead whose round failed: wait for it (or give it up), then free the draft
+        pool's cache again if the request was released meanwhile (the call may have made it)."""
+        await ahead.result()
+        if state.released and self.draft is not None:
+            await _free(self.draft, state.request_id)
 
     def _in_background(self, coroutine, context: contextvars.Context | None = None) -> None:
         """Run `coroutine` as a task this router keeps a reference to until it ends (asyncio
@@ -309,17 +358,27 @@ class Router(GrpcApi):
                                             measured_level=self.modes.measures(self.in_rounds))
                 if state.draft_sync_due():  # the draft pool catches up meanwhile: this round runs target-only
                     self._sync_draft(state)
-                draft_call = state.needs_proposer and state.speculation.draft_cost == "pool"
+                ahead = state.take_ahead()  # drafted during the last verify (speculation.draft_ahead)
+                draft_call = state.needs_proposer and state.speculation.draft_cost == "pool" and ahead is None
                 mark = self.prefills.start(prefill, round_start, catch_up=draft_call and draft_catches_up(
                     catch_up, state.speculation.depth))
-                if state.needs_proposer:  # a draft pool's round, or prompt lookup
+                if ahead is not None:
+                    proposal = ahead
+                elif state.needs_proposer:  # a draft pool's round, or prompt lookup
                     proposal = await self._before(deadline, state, self._propose(
                         state.propose_request(), state.speculation.proposer,
                         self._expected_draft_s(catch_up, state.round_k()) if draft_call else 0.0))
                 else:  # co-located heads proposed it in the previous verify pass (or no speculation)
                     proposal = state.proposal_in_hand()
                 verify = state.verify_request(proposal)
-                result = await self._before(deadline, state, self._verify(verify))
+                drafting_ahead = self._draft_ahead(state, proposal)  # sent once the verify below is
+                try:
+                    result = await self._before(deadline, state, self._verify(verify))
+                    next_draft = await drafting_ahead.result() if drafting_ahead is not None else None
+                except BaseException:  # an error, a deadline, a disconnect
+                    if drafting_ahead is not None:  # let it end; free what it cached once released
+                        self._in_background(self._settle(state, drafting_ahead), context=contextvars.Context())
+                    raise
                 round_end = time.monotonic()
                 self.prefills.end(mark, round_end)
                 round_mark, mark = mark, None
@@ -341,6 +400,8 @@ class Router(GrpcApi):
                                                 estimates=self.modes.estimates(self.in_rounds)))
                 counts = SpecCounts.of(state.stats)
                 emitted = state.commit(result, verify.draft)
+                if drafting_ahead is not None:
+                    state.keep_ahead(drafting_ahead.request, next_draft)
                 if ticket is not None:
                     self.modes.end(ticket, len(emitted), round_end - round_start,
                                    prefill_s=self.prefills.busy_s(round_end) - prompts_before)
