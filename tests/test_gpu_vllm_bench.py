@@ -224,3 +224,13 @@ def test_the_calls_benchmark_runs_rounds_as_the_router_does(monkeypatch):
                            ([1, 2, 3, 10, 11, 12, 13], None)]
     assert [ids for ids, _ in extends[3::3]] == [[1, 2, 3, 7, 42, 8, 9, 10, 11], [1, 2, 3, 7, 42, 7, 42, 8, 9, 10, 11]]
     assert [n for _, rid, _, n, _ in prompts if rid.startswith("decode")] == [1, 5]
+
+
+def test_eager_applies_to_every_engine_alike():
+    """--enforce-eager: vLLM's servers and every specserve pool, so the comparison stays like for like."""
+    args = bench_args(enforce_eager=True)
+    assert "--enforce-eager" in gpu_vllm.vllm_command(args, "vllm native k=4")
+    pools = [app["args"][role] for app in gpu_vllm.specserve_config(args)["applications"]
+             for role in ("target", "draft") if role in app["args"]]
+    assert all(p["engine_kwargs"]["enforce_eager"] for p in pools)
+    assert "--enforce-eager" not in gpu_vllm.vllm_command(bench_args(), "vllm none")

@@ -82,7 +82,7 @@ def engine_kwargs(args) -> dict:
             "load_format": args.load_format,
             # the bench runs at most a few streams: CUDA graphs up to 2x this many tokens, not 512
             # (minutes less start-up for every engine, the same settings for all of them)
-            "max_num_seqs": args.max_num_seqs}
+            "max_num_seqs": args.max_num_seqs} | ({"enforce_eager": True} if getattr(args, "enforce_eager", False) else {})
 
 
 def vllm_command(args, system: str) -> list[str]:
@@ -95,6 +95,8 @@ def vllm_command(args, system: str) -> list[str]:
                "--max-num-seqs", str(kwargs["max_num_seqs"]),
                # vLLM will not start while less than this share of the GPU is free (5 engines share it)
                "--gpu-memory-utilization", str(SERVER_GPU_SHARE)]
+    if kwargs.get("enforce_eager"):
+        command += ["--enforce-eager"]
     if system == "vllm native k=4":
         command += ["--speculative-config", json.dumps(speculative_config(args.draft or args.model))]
     return command
@@ -578,6 +580,8 @@ def main(argv=None) -> None:
     parser.add_argument("--single-stream-prompts", type=int, default=4)
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="every engine eager: no torch.compile or CUDA graphs (a start in seconds, not minutes)")
     parser.add_argument("--bench-budget-s", type=float, default=600,
                         help="stop starting new measurements after this long (the results so far stay)")
     parser.add_argument("--rounds", type=int, default=30, help="calls: rounds timed")
