@@ -577,6 +577,7 @@ class _ModeGoodput:
     warm_up_s: float = 0.0  # how long the level's last switch to the model warmed up
     explore_after: float = 0.0  # and no exploration before this time (MeasuredModes.explore_budget)
     since: float | None = None  # when the level's first epoch began
+    switched_at: float | None = None  # when the level's last switch to the model warmed up
 
 
 @dataclass(frozen=True)
@@ -635,7 +636,10 @@ class MeasuredModes:
     5-minute pass cost ~10% of goodput). The level's first measurement of the model keeps to
     the same budget, by the switch's predicted cost (`switch_cost_s`: the draft pools'
     catch-ups): until it fits, the level runs off (at code 16 the first measurement cost ~30 s
-    of a 5-minute pass, always on and always off being within 4% of each other).
+    of a 5-minute pass, always on and always off being within 4% of each other). So does every
+    later exploration of the model, counted from the level's last switch: at code 8 a switch
+    predicted at 47 s went ahead because the last one had warmed up in a few seconds (its
+    requests had just begun), and cost 12% of the pass.
     Below `min_in_flight` requests the model alone decides: a lone request has no other
     requests' costs it cannot see, and at 2 an epoch's goodput swings with whether a prompt's
     prefill fell in it more than the modes differ. The measurements behind each of these
@@ -775,8 +779,14 @@ class MeasuredModes:
         """A switch to the model warmed up for `warm_up_s`: the level's explorations wait
         until that is at most `explore_budget` of the time since."""
         measured = self._measured(level)
-        measured.warm_up_s = warm_up_s
+        measured.warm_up_s, measured.switched_at = warm_up_s, now
         measured.explore_after = max(measured.explore_after, now + self._budget_wait(warm_up_s))
+
+    def _switch_fits(self, measured: _ModeGoodput, now: float) -> bool:
+        """Whether a switch to the model now keeps to `explore_budget` by its predicted cost
+        (`switch_cost_s`), counted from the level's last switch to the model (or its start)."""
+        last = measured.switched_at if measured.switched_at is not None else measured.since
+        return now - last >= self._budget_wait(self._switch_cost_s)
 
     def _budget_wait(self, switch_s: float) -> float:
         """How long a level runs without switching for a switch of `switch_s` to be
@@ -836,11 +846,15 @@ class MeasuredModes:
         if prefilling and (measured.model is None or measured.off is None):
             return "off", False
         if measured.model is None:  # its first measurement, once the switch fits the budget
-            fits = now - measured.since >= self._budget_wait(self._switch_cost_s)
-            return ("model" if fits else "off"), False
+            return ("model" if self._switch_fits(measured, now) else "off"), False
         if measured.off is None:
             return "off", False
         best = next((mode for mode in ("off", "model") if self._clearly_better(measured, mode)), self.current)
-        if not prefilling and measured.epochs >= measured.next_explore and now >= measured.explore_after:
-            return ("off" if best == "model" else "model"), True
+        other = "off" if best == "model" else "model"
+        # an exploration of the model keeps to the budget by the last switch's measured warm-up
+        # (explore_after) and by what this one is predicted to cost: the requests in flight may
+        # have far more to catch up now than at the last switch
+        if (not prefilling and measured.epochs >= measured.next_explore and now >= measured.explore_after
+                and (other == "off" or self._switch_fits(measured, now))):
+            return other, True
         return best, False

@@ -1048,6 +1048,44 @@ def test_a_level_s_first_measurement_of_the_model_waits_until_its_switch_fits_th
     assert load.catch_up_s(2000) == pytest.approx(0.2 + 0.02 * 2000, rel=0.05)
 
 
+def test_an_exploration_of_the_model_also_waits_for_its_predicted_switch_to_fit_the_budget():
+    """The last switch's warm-up says little about the next one when the requests in flight
+    have much more to catch up now (code at 8 streams: a switch that had warmed up in seconds at
+    a wave's start was followed by one predicted at 47 s, which went ahead and cost 12% of the
+    pass). So an exploration of the model waits until its predicted cost is `explore_budget`
+    of the time since the level's last switch; one back to off costs nothing and does not."""
+    level = MeasuredModes.level(8)
+
+    def first_switch(cost: float) -> float | None:
+        modes = MeasuredModes(epoch_s=4.0, explore_budget=0.05)
+        measured = modes._measured(level)
+        measured.model, measured.off, measured.epochs, measured.next_explore = 10.0, 12.0, 6, 6  # off leads; due
+        measured.since = measured.switched_at = 0.0  # the last switch: at 0 s, cheap (explore_after 0)
+        modes.current = "off"
+        t = 1.0
+        while t < 1000.0:
+            rounds = [modes.begin(t + 0.01 * i, 8, switch_cost_s=cost) for i in range(8)]
+            rounds.append(modes.begin(t + 4.0, 8, switch_cost_s=cost))
+            for r in rounds:
+                modes.end(r, 3, 2.0)  # off measures 12 again: it stays the better mode
+            if rounds[0].mode == "model":
+                return t
+            t += 4.5
+        return None
+
+    assert first_switch(0.0) < 10.0  # due, and nothing to catch up: at once
+    assert 19 * 40.0 <= first_switch(40.0) < 19 * 40.0 + 10.0  # once 40 s is 5% of the time since
+    assert first_switch(60.0) is None  # 1,140 s: not within this run
+
+    modes = MeasuredModes(epoch_s=4.0, explore_budget=0.05)  # the model leads: exploring off is free
+    measured = modes._measured(level)
+    measured.model, measured.off, measured.epochs, measured.next_explore = 12.0, 10.0, 6, 6
+    measured.since = measured.switched_at = 0.0
+    modes.current = "model"
+    ticket = modes.begin(1.0, 8, switch_cost_s=1000.0)
+    assert ticket.mode == "off" and modes._exploring
+
+
 def test_an_exploration_that_measured_nothing_goes_on_then_backs_off():
     """An exploration's epoch whose rounds all failed (or hung) measured nothing: it goes on,
     up to explore_retries more epochs; one that stays unmeasured ends, the better mode runs
