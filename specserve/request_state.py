@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 
 from specserve.policy import AcceptanceTracker, Decision, LoadModel, SpeculationPolicy, draft_catches_up
 from specserve.protocol import (
-    DRAFT_POOL_PROPOSERS, DraftShape, Proposal, ProposeRequest, SamplingParams, Speculation, SpecserveError, TokenTree, VerifyRequest,
-    VerifyResult,
+    DRAFT_POOL_PROPOSERS, DraftShape, Proposal, ProposeRequest, SamplingParams, Speculation, SpecserveError,
+    TokenTree, VerifyRequest, VerifyResult,
 )
 from specserve.trees import add_counts, count_ranks
 
