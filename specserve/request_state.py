@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 
 from specserve.policy import AcceptanceTracker, Decision, LoadModel, SpeculationPolicy, draft_catches_up
 from specserve.protocol import (
-    DRAFT_POOL_PROPOSERS, DraftShape, Proposal, ProposeRequest, SamplingParams, Speculation, SpecserveError,
-    TokenTree, VerifyRequest, VerifyResult,
+    DraftShape, Proposal, ProposeRequest, SamplingParams, Speculation, SpecserveError, TokenTree, VerifyRequest,
+    VerifyResult,
 )
 from specserve.trees import add_counts, count_ranks
 
@@ -273,7 +273,7 @@ class RequestState:
         after this one. Greedy only: a greedy round's output is the target's argmax whatever
         the draft, so drafting from a guessed context costs at most the draft's time."""
         spec = self.speculation
-        return (proposal is not None and len(proposal.tree) > 0 and spec.proposer in DRAFT_POOL_PROPOSERS
+        return (proposal is not None and len(proposal.tree) > 0 and spec.draft_cost == "pool"
                 and spec.shape == "chain" and self.params.greedy and self.room() > len(proposal.tree) + 2)
 
     def ahead_request(self, proposal: Proposal) -> ProposeRequest:

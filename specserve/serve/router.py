@@ -236,8 +236,7 @@ class Router(GrpcApi):
             finally:
                 self.prefills.end(mark, time.monotonic())
                 state.draft_syncing = False
-                if state.released and self.draft is not None:  # it ended after the release: free it again
-                    await _free(self.draft, state.request_id)
+                await self._free_draft_if_released(state)
 
         self._in_background(sync())
 
@@ -256,6 +255,11 @@ class Router(GrpcApi):
         """A draft ahead whose round failed: wait for it (or give it up), then free the draft
         pool's cache again if the request was released meanwhile (the call may have made it)."""
         await ahead.result()
+        await self._free_draft_if_released(state)
+
+    async def _free_draft_if_released(self, state: RequestState) -> None:
+        """After a draft call that may have ended after the request's release (and so cached
+        it again in the draft pool): free it there again."""
         if state.released and self.draft is not None:
             await _free(self.draft, state.request_id)
 
