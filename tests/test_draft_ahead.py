@@ -245,3 +245,17 @@ def test_draft_ahead_without_a_draft_pool_is_refused_when_the_app_is_built():
 
     with pytest.raises(ValueError, match="draft_ahead .* needs a draft pool"):
         AppArgs.model_validate({"target": {"model": "fake"}, "speculation": {"proposer": "ngram", "draft_ahead": True}})
+
+
+@pytest.mark.parametrize(("target_device", "draft_device", "expected"), [
+    ("cuda", "cuda:1", True), ("cpu", "cpu", False), ("cuda", "cpu", False), ("cuda", None, False)])
+def test_by_default_only_pools_on_cuda_devices_draft_ahead(target_device, draft_device, expected):
+    from specserve.serve.config import AppArgs
+
+    args = {"target": {"model": "fake", "device": target_device}, "speculation": {"proposer": "ngram"}}
+    if draft_device is not None:
+        args |= {"draft": {"model": "fake", "device": draft_device}, "speculation": {"proposer": "draft"}}
+    assert AppArgs.model_validate(args).speculation.draft_ahead is expected
+    if draft_device is not None:  # an explicit setting wins
+        forced = args | {"speculation": {"proposer": "draft", "draft_ahead": not expected}}
+        assert AppArgs.model_validate(forced).speculation.draft_ahead is (not expected)

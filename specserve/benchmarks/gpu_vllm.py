@@ -118,7 +118,8 @@ def specserve_config(args) -> dict:
     router = {"ray_actor_options": {"num_cpus": 1}, "max_ongoing_requests": 64, "max_queued_requests": 64}
     pools_app = {"model_name": MODEL_NAME, "target": pool(args.model, kwargs, POOL_GPU_SHARE),
                  "draft": pool(args.draft or args.model, kwargs, POOL_GPU_SHARE),
-                 "speculation": {"proposer": "draft", "shape": "chain", "k": K, "policy": "fixed"}, "router": router}
+                 "speculation": {"proposer": "draft", "shape": "chain", "k": K, "policy": "fixed", "draft_ahead": False},
+                 "router": router}
     native_kwargs = kwargs | {"speculative_config": speculative_config(args.draft or args.model)}
     native_app = {"model_name": MODEL_NAME, "target": pool(args.model, native_kwargs, POOL_GPU_SHARE),
                   "speculation": {"proposer": "native"}, "router": router}
