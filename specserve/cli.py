@@ -279,6 +279,35 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_export_heads(args: argparse.Namespace) -> int:
+    from .heads.medusa import export_vllm, read_config
+    from .models import lm_head_weight, parse_dtype
+
+    config = read_config(args.heads)  # refuses Hydra and ReDrafter heads: vLLM has no such model
+    target = args.target or config.target
+    if target is None:
+        raise SpecserveError(f"{args.heads} does not name its target: give --target")
+    out = export_vllm(args.heads, lm_head_weight(target), args.out, parse_dtype(args.dtype))
+    print(f"vLLM Medusa heads: {out}  (speculative_config: {{method: medusa, model: {out}, "
+          f"num_speculative_tokens: <= {config.num_heads}}})")
+    return EXIT_OK
+
+
+def add_export_heads_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "export-heads", help="write Medusa heads in the layout vLLM loads (for native mode's method: medusa)",
+        description="Write Medusa heads trained by `specserve train-heads` in the layout vLLM's Medusa model "
+                    "loads, for `speculative_config: {method: medusa, model: OUT}` (native mode, or vLLM itself). "
+                    "It spans the whole vocabulary (vLLM cannot load a truncated one): vocabulary x hidden "
+                    "values per projection, 0.9 GB in float32 for Qwen2.5-1.5B.")
+    p.add_argument("heads", help="a directory written by `specserve train-heads --method medusa`")
+    p.add_argument("--target", help="the model the heads were trained on (default: the one their config names)")
+    p.add_argument("--out", help="where to write them (default HEADS/vllm)")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16: vLLM casts the "
+                                                      "weights to the target's dtype when it loads them")
+    p.set_defaults(func=_cmd_export_heads)
+
+
 def add_train_heads_parser(subparsers) -> None:
     from .heads.train import TrainOptions
 
@@ -419,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(subparsers)
     add_chat_parser(subparsers)
     add_train_heads_parser(subparsers)
+    add_export_heads_parser(subparsers)
     add_kuberay_parser(subparsers)
     return parser
 

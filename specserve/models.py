@@ -676,6 +676,25 @@ def load_causal_lm(ref: str | os.PathLike, dtype: Any = "float32", device: Any =
 # --------------------------------------------------------------------------- compatibility
 
 
+def lm_head_weight(ref: str | os.PathLike):
+    """A model's output projection [vocab, hidden], read from its safetensors files alone (no
+    model in memory): `lm_head.weight`, or the input embedding where the config ties them."""
+    import json
+
+    from safetensors import safe_open
+
+    path = Path(resolve(ref, pull_missing=False))
+    if not path.is_dir():
+        raise ModelError(f"{ref!r} is not a local directory: pull it or give its directory")
+    config = json.loads((path / "config.json").read_text())
+    name = "model.embed_tokens.weight" if config.get("tie_word_embeddings") else "lm_head.weight"
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as weights:
+            if name in weights.keys():
+                return weights.get_tensor(name)
+    raise ModelError(f"no {name} in the safetensors files of {path}")
+
+
 def _vocab_size(config: Any) -> int:
     size = getattr(config, "vocab_size", None)
     if size is None and hasattr(config, "get_text_config"):

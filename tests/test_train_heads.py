@@ -372,36 +372,53 @@ def test_redrafter_files_load_back_into_the_same_drafter(target, tmp_path):
 
 
 @pytest.mark.parametrize("own_lm_head", [False, True])
-def test_files_follow_the_vllm_layout(target, tmp_path, own_lm_head):
+def test_the_vllm_export_proposes_what_the_heads_propose(target, tmp_path, own_lm_head):
+    """`specserve export-heads`: vLLM's Medusa layout over the whole vocabulary (vLLM cannot load
+    a truncated one), ids outside token_map on zero rows; computed as vLLM's Medusa model does
+    (residual blocks, then each head's projection, top-1), it proposes the heads' own tokens."""
+    from specserve.heads.medusa import export_vllm
+
     out = tmp_path / "heads"
     options = tiny_options(num_heads=3, num_layers=2, head_vocab_size=40, own_lm_head=own_lm_head)
     result = train(target, out, options)
+    assert not (out / "vllm").exists()  # written on request only: it spans the whole vocabulary
     hidden = target.config.hidden_size
+    exported = export_vllm(out, target.lm_head.weight)
+    assert exported == out / "vllm"
 
-    config = json.loads((out / "vllm" / "config.json").read_text())
+    config = json.loads((exported / "config.json").read_text())
     assert config["num_heads"] == 3 and config["num_hidden_layers"] == 2
-    assert config["hidden_size"] == hidden and config["vocab_size"] == VOCAB
-    assert config["truncated_vocab_size"] == 40
-    assert config["medusa_fc_bias"] is True
-    assert config["original_lm_head"] is (not own_lm_head)
+    assert config["hidden_size"] == hidden and config["vocab_size"] == config["truncated_vocab_size"] == VOCAB
+    assert config["medusa_fc_bias"] is True and config["original_lm_head"] is (not own_lm_head)
 
-    weights = load_file(str(out / "vllm" / "model.safetensors"))
+    weights = load_file(str(exported / "model.safetensors"))
+    assert "token_map" not in weights
+    projections = sorted(k for k in weights if k.startswith("lm_heads."))
+    assert projections == [f"lm_heads.{h}.weight" for h in (range(3) if own_lm_head else [0])]
+    heads = result.heads.eval()
+    token_map = heads.token_map
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[token_map] = False
+    for key in projections:
+        assert weights[key].shape == (VOCAB, hidden) and not weights[key][outside].any()
+    if not own_lm_head:  # the shared projection is the target's own lm_head, on the map's rows
+        torch.testing.assert_close(weights["lm_heads.0.weight"][token_map], target.lm_head.weight[token_map])
+
+    probe = torch.randn(64, hidden)
+    ours = heads(probe)  # [heads, rows, head vocabulary]
     for h in range(3):
+        x = probe
         for layer in range(2):
-            assert weights[f"blocks.{h}.layers.{layer}.weight"].shape == (hidden, hidden)
-            assert weights[f"blocks.{h}.layers.{layer}.bias"].shape == (hidden,)
-    projections = [k for k in weights if k.startswith("lm_heads.")]
-    assert sorted(projections) == [f"lm_heads.{h}.weight" for h in (range(3) if own_lm_head else [0])]
-    assert all(weights[k].shape == (40, hidden) for k in projections)
-    token_map = weights["token_map"]
-    assert token_map.shape == (40,) and torch.equal(token_map, token_map.sort().values)
-    if not own_lm_head:  # the shared projection is the target's own lm_head rows
-        torch.testing.assert_close(weights["lm_heads.0.weight"], target.lm_head.weight[token_map])
+            w, b = weights[f"blocks.{h}.layers.{layer}.weight"], weights[f"blocks.{h}.layers.{layer}.bias"]
+            x = x + torch.nn.functional.silu(x @ w.T + b)
+        logits = x @ weights[f"lm_heads.{h if own_lm_head else 0}.weight"].T
+        positive = ours[h].max(-1).values > 0
+        assert positive.any()
+        assert torch.equal(logits.argmax(-1)[positive], token_map[ours[h].argmax(-1)][positive])
 
-    # specserve's layout loads back into the same heads
+    # specserve's own layout still loads back into the same heads
     loaded = load_heads(out, target.lm_head.weight)
-    probe = torch.randn(5, hidden)
-    torch.testing.assert_close(loaded(probe), result.heads.eval()(probe), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(loaded(probe), heads(probe), rtol=1e-5, atol=1e-4)
 
     report = json.loads((out / REPORT_FILE).read_text())
     assert report["steps"] == 8 and report["train_tokens"] == sum(map(len, TRAIN))
@@ -409,11 +426,29 @@ def test_files_follow_the_vllm_layout(target, tmp_path, own_lm_head):
     assert {"cache_seconds", "train_seconds", "final_loss", "device", "torch_threads", "options"} <= set(report)
 
 
-def test_full_vocabulary_writes_no_token_map(target, tmp_path):
-    train(target, tmp_path / "heads", tiny_options(steps=1))
-    config = json.loads((tmp_path / "heads" / "vllm" / "config.json").read_text())
-    assert config["truncated_vocab_size"] == VOCAB  # the default for a vocabulary this small
-    assert "token_map" not in load_file(str(tmp_path / "heads" / "vllm" / "model.safetensors"))
+def test_the_vllm_export_takes_the_lm_head_from_the_target_s_files(tmp_path):
+    """`models.lm_head_weight` reads the projection from safetensors alone (tied or not), and
+    the CLI exports with it, refusing heads of a method vLLM has no model for."""
+    from safetensors.torch import save_file
+
+    from specserve import models
+    from specserve.cli import main
+
+    weight = torch.randn(VOCAB, 8)
+    for tied, name in ((False, "lm_head.weight"), (True, "model.embed_tokens.weight")):
+        model_dir = tmp_path / f"model-{tied}"
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps({"tie_word_embeddings": tied}))
+        save_file({name: weight, "model.norm.weight": torch.ones(8)}, str(model_dir / "model.safetensors"))
+        assert torch.equal(models.lm_head_weight(model_dir), weight)
+    (tmp_path / "model-False" / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    with pytest.raises(models.ModelError, match="no model.embed_tokens.weight"):
+        models.lm_head_weight(tmp_path / "model-False")
+
+    heads_dir = tmp_path / "heads"
+    (heads_dir).mkdir()
+    (heads_dir / "config.json").write_text(json.dumps({"method": "hydra", "hidden_size": 8, "vocab_size": VOCAB}))
+    assert main(["export-heads", str(heads_dir), "--target", str(tmp_path / "model-True")]) != 0
 
 
 # --------------------------------------------------------------------------- errors
@@ -563,8 +598,8 @@ SMOL = "smollm2-135m-instruct"
 @pytest.mark.slow
 def test_smollm2_heads_from_offline_text(smol_medusa_heads):
     """The session's SmolLM2 Medusa heads (conftest: trained once by the trainer on the offline
-    text, with quick_options) clearly beat untrained ones on held-out text, and ship vLLM's layout."""
+    text, with quick_options) clearly beat untrained ones on held-out text."""
     report = json.loads((smol_medusa_heads / REPORT_FILE).read_text())
     before, after = report["heldout_accuracy_before"], report["heldout_accuracy_after"]
     assert after[0] > before[0] + 0.15, (before, after)
-    assert (smol_medusa_heads / "vllm" / "model.safetensors").is_file()
+    assert (smol_medusa_heads / "medusa.safetensors").is_file()

@@ -424,3 +424,55 @@ def test_native_mode_serves_greedy_exactly_through_the_same_api(native_app, vllm
 
     counters = serve.get_deployment_handle("TargetPool", "native").stats.remote().result()["native"]
     assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0, counters  # vLLM speculated
+
+
+@pytest.mark.vllm
+def test_medusa_heads_exported_by_specserve_run_in_vllm_s_own_speculation(vllm_engine, tmp_path):
+    """`specserve export-heads` writes what vLLM's Medusa model loads, and vLLM proposes what the
+    heads propose: greedy output stays vLLM's own, and the tokens its Medusa accepts equal a
+    replay of the same heads over the target's hidden states (rounds of 3 top-1 guesses from the
+    hidden state that produced the newest token, the longest matching prefix accepted)."""
+    from specserve import models
+    from specserve.engine.vllm_engine import VllmEngine, greedy_reference, native_counters
+    from specserve.heads.medusa import MedusaConfig, MedusaHeads, export_vllm
+    from specserve.text import TextCodec
+
+    model = models.load_causal_lm(SMOL, dtype="float32")
+    lm_head = model.lm_head.weight.detach()
+    torch.manual_seed(0)
+    config = MedusaConfig(hidden_size=lm_head.shape[1], vocab_size=lm_head.shape[0], num_heads=3,
+                          head_vocab_size=8000, target=SMOL)
+    heads = MedusaHeads(config, lm_head, torch.arange(8000))  # a truncated vocabulary, as the trainer's
+    for block in heads.blocks:  # near the identity: head h guesses the token after next is the next one
+        torch.nn.init.normal_(block[0].linear.weight, std=0.002)
+    heads.save(tmp_path / "heads")
+    exported = export_vllm(tmp_path / "heads", lm_head)
+
+    codec = TextCodec.for_model(SMOL)
+    prompt = codec.encode("0" * 22)  # continued by one token repeated: heads near the identity guess it
+    want = run(greedy_reference(vllm_engine, prompt, 44))  # 4 past the end: a last round may guess there
+    before = native_counters()
+    engine = VllmEngine(smol_pool_args(speculative_config={"method": "medusa", "model": str(exported),
+                                                           "num_speculative_tokens": 3}))
+    try:
+        got = run(greedy_reference(engine, prompt, 40))
+    finally:
+        engine.shutdown()
+    assert got == want[:40]
+    after = native_counters()
+    accepted = after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0)
+
+    sequence = torch.tensor([prompt + want])
+    with torch.inference_mode():
+        hidden = model.model(input_ids=sequence).last_hidden_state[0]
+        guesses = heads.eval()(hidden).argmax(-1)  # [heads, positions] over the map's ids (= token ids)
+    replayed, n = 0, len(prompt) + 1  # the first token comes from the prefill
+    while n < len(prompt) + 40:
+        guess = guesses[:, n - 2].tolist()  # the hidden state that produced token n - 1
+        match = 0
+        while match < 3 and n + match < sequence.shape[1] and guess[match] == sequence[0, n + match]:
+            match += 1
+        replayed += match
+        n += match + 1
+    assert replayed > 10  # the heads guess right often on this prompt
+    assert accepted == replayed

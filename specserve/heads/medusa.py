@@ -17,10 +17,14 @@ proposing. Proposals are verified exactly either way; the map only limits what t
 guess.
 
 Files: `config.json` + `medusa.safetensors` (specserve's layout: blocks, token_map, and the
-per-head projections when `own_lm_head`), and `vllm/` with the layout vLLM's Medusa loader
-reads (`blocks.{h}.layers.{l}.weight/.bias`, `lm_heads.{h}.weight`, `token_map`, a config with
-`num_heads`, `num_hidden_layers`, `hidden_size`, `vocab_size`, `truncated_vocab_size`,
-`medusa_fc_bias: true`, `original_lm_head`).
+per-head projections when `own_lm_head`). `save_vllm` (`specserve export-heads`) writes the
+layout vLLM's Medusa model loads (`speculative_config={"method": "medusa", "model": DIR}`):
+`blocks.{h}.layers.{l}.weight/.bias`, `lm_heads.{h}.weight`, and a config with `num_heads`,
+`num_hidden_layers`, `hidden_size`, `vocab_size`, `medusa_fc_bias: true` and `original_lm_head`.
+It spans the whole vocabulary: vLLM 0.26-0.32 cannot load a truncated one (its loader makes
+`token_map` a parameter it never counts as loaded, then refuses the checkpoint: "Following
+weights were not initialized from checkpoint: {'token_map'}"), so ids outside token_map get
+zero rows.
 """
 
 from __future__ import annotations
@@ -170,32 +174,35 @@ class MedusaHeads(VocabularyHeads):
         state["token_map"] = self.token_map
         return {k: v.contiguous().cpu() for k, v in state.items()}
 
-    def save(self, directory: str | Path, *, vllm_layout: bool = True) -> Path:
+    def save(self, directory: str | Path) -> Path:
+        """specserve's layout: config.json + medusa.safetensors."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         save_file(self.state_for_saving(), str(directory / WEIGHTS_FILE))
         (directory / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=1) + "\n")
-        if vllm_layout:
-            self.save_vllm(directory / VLLM_DIR)
         return directory
 
-    def save_vllm(self, directory: str | Path) -> Path:
-        """The layout vLLM's Medusa model loads (`speculative_config={"method": "medusa",
-        "model": directory}`). It needs the projection rows itself, so the shared lm_head's
-        `token_map` rows are written as `lm_heads.0.weight` with `original_lm_head: true`."""
+    def vllm_state(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """vLLM's layout over the whole vocabulary. A token outside token_map gets a zero row, so
+        its logit is 0: vLLM's top-1 proposal is the heads' own whenever their best logit is
+        positive (a trained head's top logit is; if none were, vLLM would propose an id the
+        heads cannot, which verification rejects like any wrong guess)."""
+        state = {k: v.to(dtype) for k, v in self.state_for_saving().items() if k.startswith("blocks.")}
+        for h in range(self.config.num_heads) if self.lm_heads is not None else [0]:
+            rows = torch.zeros(self.config.vocab_size, self.config.hidden_size, dtype=dtype)
+            rows[self.token_map.cpu()] = self.projection(h).detach().cpu().to(dtype)
+            state[f"lm_heads.{h}.weight"] = rows
+        return state
+
+    def save_vllm(self, directory: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+        """The directory vLLM's Medusa model loads: config.json + model.safetensors."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v for k, v in self.state_for_saving().items() if not k.startswith("lm_heads.")}
-        heads = range(self.config.num_heads) if self.lm_heads is not None else [0]
-        for h in heads:
-            state[f"lm_heads.{h}.weight"] = self.projection(h).detach().contiguous().cpu()
-        if self.config.head_vocab_size == self.config.vocab_size:
-            state.pop("token_map")  # vLLM reads a token_map only for a truncated vocabulary
-        save_file(state, str(directory / "model.safetensors"))
+        save_file(self.vllm_state(dtype), str(directory / "model.safetensors"))
         (directory / CONFIG_FILE).write_text(json.dumps(vllm_config(self.config), indent=1) + "\n")
         return directory
 
@@ -209,7 +216,7 @@ def vllm_config(config: MedusaConfig) -> dict:
         "vocab_size": config.vocab_size,
         "num_heads": config.num_heads,
         "num_hidden_layers": config.num_layers,
-        "truncated_vocab_size": config.head_vocab_size,
+        "truncated_vocab_size": config.vocab_size,  # see the module docstring
         "medusa_fc_bias": True,  # our blocks have biases; vLLM drops them silently when False
         "original_lm_head": not config.own_lm_head,
     }
@@ -238,6 +245,14 @@ def load_heads(directory: str | Path, lm_head_weight: torch.Tensor, *, dtype=Non
                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     heads.requires_grad_(False).eval()
     return heads.to(dtype=dtype or lm_head_weight.dtype, device=device or lm_head_weight.device)
+
+
+def export_vllm(directory: str | Path, lm_head_weight: torch.Tensor, out: str | Path | None = None,
+                dtype: torch.dtype = torch.float32) -> Path:
+    """The heads in `directory` (on the target whose lm_head weight is given) written in vLLM's
+    layout to `out` (default: `directory`/vllm)."""
+    heads = load_heads(directory, lm_head_weight.float(), dtype=torch.float32, device="cpu")
+    return heads.save_vllm(Path(directory) / VLLM_DIR if out is None else out, dtype)
 
 
 def _module_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

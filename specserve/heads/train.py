@@ -24,8 +24,8 @@ recurrent drafter reads them one per step (step i has read the first i + 1).
     >>> result.report["heldout_accuracy_after"]                                       # doctest: +SKIP
     [0.295, 0.167]
 
-Files in `out_dir`: the heads (`MedusaHeads.save`: config.json, medusa.safetensors, vllm/;
-`HydraHeads.save`: config.json, hydra.safetensors; `ReDrafter.save`: config.json,
+Files in `out_dir`: the heads (`MedusaHeads.save`: config.json, medusa.safetensors, and vllm/ once
+`specserve export-heads` writes it; `HydraHeads.save`: config.json, hydra.safetensors; `ReDrafter.save`: config.json,
 redrafter.safetensors), train_report.json, checkpoint.pt (to
 resume) and cache/.
 """
