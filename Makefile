@@ -8,7 +8,7 @@ DEFAULT_MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # Ray 2.60 turns token auth on by default; a local single-user cluster does not need it.
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup models heads heads-hydra heads-redrafter serve serve-vllm generate test test-vllm test-fast test-faults bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-methods bench-hydra bench-adaptive bench-quick bench-full vllm-env kuberay clean
+.PHONY: setup models heads heads-hydra heads-redrafter serve serve-vllm generate test test-vllm test-fast test-faults bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-methods bench-hydra bench-speculative bench-adaptive bench-quick bench-full vllm-env kuberay clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -114,6 +114,10 @@ bench-methods: models
 # 16-node trees, pruned at path score 0.05 and full, 16 held-out prompts per workload, one pass.
 bench-hydra: models
 	$(VENV)/bin/specserve bench --preset hydra --out bench-results/hydra
+
+# Each engine's speculative methods at their best, batch 1 (vLLM's Medusa runs the same heads).
+bench-speculative: models vllm-env
+	$(VENV)/bin/specserve bench --preset speculative --out bench-results/speculative
 
 # Load-aware speculation: off / always on / adaptive at 1-16 streams, code and chat (about an hour).
 bench-adaptive: models

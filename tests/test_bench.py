@@ -225,6 +225,8 @@ def test_bench_interleaves_passes_and_keeps_vllms_fastest_settings(tiny_pair, tm
         assert none["status"] == "ok" and len(none["prompts"]) == 2
         assert none["tokens_per_second_by_repeat"] and len(none["tokens_per_second_by_repeat"]) == 2
         assert none["vs_vllm_system"] == "vllm none" and none["vs_vllm"] > 0
+    medusa = by["vllm medusa k=4", 1]  # --heads none: vLLM's Medusa has no heads to run
+    assert medusa["status"] == "cannot run" and "Medusa heads" in medusa["reason"]
     failed = [t for t in doc["vllm_settings"] if t["status"] != "ok"]
     assert {t["system"] for t in failed} == {"vllm draft_model k=4"}
     assert "no compile here" in failed[0]["reason"] and "traceback" not in failed[0]["reason"]
@@ -558,3 +560,20 @@ def test_metrics_cost_per_round_times_real_and_no_op_metrics():
 
     timings = _time_rounds(50)
     assert set(timings) == {"ray.serve.metrics", "no-op"} and all(t > 0 for t in timings.values())
+
+
+def test_vllm_rows_get_the_draft_and_the_medusa_heads_directories(tmp_path):
+    """A vLLM system's options are its speculative_config, with placeholders for the draft's
+    directory and for the Medusa heads exported to vLLM's layout; without heads it cannot run."""
+    by_name = {s.name: s for s in systems.vllm_systems()}
+    common = dict(python="python", target_dir=str(tmp_path), dtype="float32", max_tokens=4, stop_ids=[0],
+                  max_model_len=512, settings=["eager"], log_path=tmp_path / "log")
+    vllm = library.Vllm(draft_dir="/models/draft", medusa_dir="/heads/vllm", **common)
+    assert vllm.speculative_config(by_name["vllm medusa k=4"]) == {
+        "method": "medusa", "model": "/heads/vllm", "num_speculative_tokens": 4}
+    assert vllm.speculative_config(by_name["vllm draft_model k=4"])["model"] == "/models/draft"
+    assert vllm.speculative_config(by_name["vllm none"]) is None
+    assert vllm.cannot_run(by_name["vllm medusa k=4"]) is None
+    without = library.Vllm(draft_dir=None, **common)
+    assert "Medusa heads" in without.cannot_run(by_name["vllm medusa k=4"])
+    assert without.cannot_run(by_name["vllm ngram k=4"]) is None

@@ -426,6 +426,24 @@ def test_the_vllm_export_proposes_what_the_heads_propose(target, tmp_path, own_l
     assert {"cache_seconds", "train_seconds", "final_loss", "device", "torch_threads", "options"} <= set(report)
 
 
+def test_the_bench_exports_once_and_writes_an_older_truncated_export_again(target, tmp_path):
+    from specserve.heads.medusa import exported_for_vllm
+
+    model_dir = tmp_path / "target"
+    target.save_pretrained(model_dir)
+    out = tmp_path / "heads"
+    train(target, out, tiny_options(steps=1, head_vocab_size=40))
+    exported = exported_for_vllm(out, model_dir)
+    written = (exported / "model.safetensors").stat().st_mtime_ns
+    assert exported_for_vllm(out, model_dir) == exported
+    assert (exported / "model.safetensors").stat().st_mtime_ns == written  # reused
+    config = json.loads((exported / "config.json").read_text())
+    (exported / "config.json").write_text(json.dumps(config | {"truncated_vocab_size": 40}))  # the older layout
+    exported_for_vllm(out, model_dir)
+    assert json.loads((exported / "config.json").read_text())["truncated_vocab_size"] == VOCAB
+    assert load_file(str(exported / "model.safetensors"))["lm_heads.0.weight"].shape[0] == VOCAB
+
+
 def test_the_vllm_export_takes_the_lm_head_from_the_target_s_files(tmp_path):
     """`models.lm_head_weight` reads the projection from safetensors alone (tied or not), and
     the CLI exports with it, refusing heads of a method vLLM has no model for."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specserve.benchmarks import vllm_runner
-from specserve.benchmarks.systems import CANNOT_RUN, FAILED, OK, Call, LibraryRun, System
+from specserve.benchmarks.systems import CANNOT_RUN, FAILED, MEDUSA_HEADS, OK, Call, LibraryRun, System
 from specserve.benchmarks.workloads import Workload
 
 # (workload, the prompts as token ids)
@@ -311,11 +311,12 @@ class Vllm:
 
     def __init__(self, *, python: str | None, target_dir: str | None, draft_dir: str | None, dtype: str,
                  max_tokens: int, stop_ids: list[int], max_model_len: int, settings: list[str], log_path: Path,
-                 timeout_s: float = 3600):
+                 timeout_s: float = 3600, medusa_dir: str | None = None):
         unknown = [s for s in settings if s not in vllm_runner.SETTINGS]
         if unknown or not settings:
             raise ValueError(f"unknown vLLM settings {unknown}; choose from {', '.join(vllm_runner.SETTINGS)}")
         self.python, self.target_dir, self.draft_dir = python, target_dir, draft_dir
+        self.medusa_dir = medusa_dir  # the Medusa heads in vLLM's layout, for MEDUSA_HEADS
         self.request = {"model": target_dir, "dtype": dtype, "max_tokens": max_tokens,
                         "stop_token_ids": list(stop_ids), "max_model_len": max_model_len,
                         "kv_cache_gib": VLLM_KV_CACHE_GIB}
@@ -330,13 +331,18 @@ class Vllm:
             return "vLLM needs the target as a local model directory"
         if system.needs_draft and (self.draft_dir is None or not os.path.isdir(self.draft_dir)):
             return "needs a draft model as a local directory (--draft)"
+        if MEDUSA_HEADS in system.options.values() and self.medusa_dir is None:
+            return "needs Medusa heads (`make heads`, or --heads DIR)"
         return None
 
     def speculative_config(self, system: System) -> dict | None:
-        """The system's options are vLLM's `speculative_config` ("draft": the draft's directory)."""
+        """The system's options are vLLM's `speculative_config` ("draft": the draft's directory;
+        MEDUSA_HEADS: the Medusa heads in vLLM's layout)."""
         if system.method == "none":
             return None
-        return {key: (self.draft_dir if value == "draft" else value) for key, value in system.options.items()}
+        stands_for = {"draft": self.draft_dir, MEDUSA_HEADS: self.medusa_dir}
+        return {key: stands_for.get(value, value) if isinstance(value, str) else value
+                for key, value in system.options.items()}
 
     def run_pass(self, system: System, cells: list[Cell], runs: list[LibraryRun], repeat: int, bar) -> None:
         reason = self.cannot_run(system)

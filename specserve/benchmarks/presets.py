@@ -33,6 +33,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "modes": ["library"], "workloads": ["code"], "prompts": 8, "max_tokens": 128, "batch_sizes": [1],
         "repeats": 2, "systems": VS_VLLM,
     },
+    "speculative": {
+        "help": "make bench-speculative: batch 1, HumanEval, each engine's speculative methods at their best: "
+                "specserve's draft chain k=4, prompt lookup k=8 and Medusa and Hydra 4-node trees against vLLM's "
+                "draft_model, ngram and Medusa k=4 (the same Medusa heads, exported to vLLM's layout), and both "
+                "target-only; each specserve method is compared with vLLM's fastest (make heads heads-hydra first)",
+        "modes": ["library"], "workloads": ["code"], "prompts": 8, "max_tokens": 128, "batch_sizes": [1],
+        "repeats": 2, "systems": ["specserve *", "vllm *"],
+        "variants": [("none", {}), ("draft", {"k": K}), ("ngram", {"k": 8}),
+                     *[(method, {"shape": "tree", "tree": {**MEDUSA_TREE, "budget": 4}}) for method in ("medusa", "hydra")]],
+    },
     "batch": {
         "help": "library throughput at batch 1, 4, 8 and 16, HumanEval: specserve against vLLM",
         "modes": ["library"], "workloads": ["code"], "prompts": 8, "max_tokens": 128, "batch_sizes": [1, 4, 8, 16],

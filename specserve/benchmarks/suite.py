@@ -301,10 +301,17 @@ def _vllm(args, lib_systems, cells, stop_ids, machine, out) -> library.Vllm | No
     python = library.vllm_python(args.vllm_python)
     machine["vllm"] = (library.vllm_version(python) if python else None) or "not installed"
     longest = max(len(ids) for cell in cells for _, batch in cell.calls for ids in batch)
+    medusa = _heads(args).get("medusa") if any(systems.MEDUSA_HEADS in s.options.values() for s in lib_systems) \
+        else None
+    if medusa is not None:  # the same heads as specserve's medusa rows, in the layout vLLM loads
+        from specserve.heads.medusa import exported_for_vllm
+
+        print(f"vLLM's Medusa rows: the heads of {medusa} in vLLM's layout ...", flush=True)
+        medusa = str(exported_for_vllm(medusa, args.target))
     return library.Vllm(python=python, target_dir=_local_dir(args.target), draft_dir=_local_dir(args.draft),
                         dtype=args.dtype, max_tokens=args.max_tokens, stop_ids=stop_ids,
                         max_model_len=max(512, longest + args.max_tokens + 64),
-                        settings=VLLM_SETTINGS[args.vllm_settings], log_path=out / "vllm.log")
+                        settings=VLLM_SETTINGS[args.vllm_settings], log_path=out / "vllm.log", medusa_dir=medusa)
 
 
 def _derived_phase(args, derive, done, lib_systems, cells, in_process, doc, bar, save) -> list[systems.LibraryRun]:

@@ -71,14 +71,21 @@ def transformers_systems() -> list[System]:
     ]
 
 
+MEDUSA_HEADS = "medusa heads"  # in a vLLM system's options: the Medusa heads' vLLM layout (export-heads)
+
+
 def vllm_systems() -> list[System]:
-    """Options are vLLM's `speculative_config` ("draft" stands for the draft model's directory)."""
+    """Options are vLLM's `speculative_config` ("draft" stands for the draft model's directory,
+    MEDUSA_HEADS for specserve's Medusa heads exported to vLLM's layout: the same heads as the
+    `specserve medusa` rows, each head's top-1 as a chain, vLLM's only Medusa shape)."""
     return [
         System("vllm none", "vllm", "none"),
         System(f"vllm draft_model k={K}", "vllm", "draft_model",
                {"method": "draft_model", "model": "draft", "num_speculative_tokens": K}, needs_draft=True),
         System(f"vllm ngram k={K}", "vllm", "ngram",
                {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 5}),
+        System(f"vllm medusa k={K}", "vllm", "medusa",
+               {"method": "medusa", "model": MEDUSA_HEADS, "num_speculative_tokens": K}),
     ]
 
 

@@ -255,6 +255,22 @@ def export_vllm(directory: str | Path, lm_head_weight: torch.Tensor, out: str | 
     return heads.save_vllm(Path(directory) / VLLM_DIR if out is None else out, dtype)
 
 
+def exported_for_vllm(directory: str | Path, target) -> Path:
+    """`directory`/vllm, exported first (`export_vllm`, with the lm_head of `target`, a model
+    reference) unless an export of these heads is already there. An older export with a truncated
+    vocabulary, which vLLM cannot load, is written again."""
+    from specserve.models import lm_head_weight
+
+    out = Path(directory) / VLLM_DIR
+    config = out / CONFIG_FILE
+    if (out / "model.safetensors").is_file() and config.is_file():
+        written = json.loads(config.read_text())
+        if written == vllm_config(read_config(directory)) and config.stat().st_mtime >= \
+                (Path(directory) / WEIGHTS_FILE).stat().st_mtime:
+            return out
+    return export_vllm(directory, lm_head_weight(target), out)
+
+
 def _module_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Saved names -> module names: blocks.{h}.layers.{l}.x is blocks.{h}.{l}.linear.x."""
     out = {}
