@@ -13,7 +13,7 @@ from specserve.serve.config import AppArgs
 
 def bench_args(**overrides):
     values = dict(model="/models/target", draft=None, max_model_len=4096, kv_cache_gib=4.0, load_format="dummy",
-                  max_num_seqs=32, systems=list(gpu_vllm.SYSTEMS))
+                  max_num_seqs=32, systems=list(gpu_vllm.SYSTEMS), work="/tmp/w")
     return argparse.Namespace(**(values | overrides))
 
 
@@ -31,6 +31,11 @@ def test_the_specserve_systems_are_valid_apps_of_one_valid_serve_config():
     # the same pools again, drafting the next round during each verify
     assert apps["aheadpools"].speculation.draft_ahead and not apps["pools"].speculation.draft_ahead
     assert apps["aheadpools"].target == apps["pools"].target and apps["aheadpools"].draft == apps["pools"].draft
+    # each router traces its rounds into the work directory (round_profile reads them)
+    traces = {app.router.ray_actor_options["runtime_env"]["env_vars"]["SPECSERVE_POLICY_TRACE"]
+              for app in apps.values()}
+    assert traces == {"/tmp/w/trace-specserve_vllm_pools_k4.jsonl",
+                      "/tmp/w/trace-specserve_vllm_pools_k4_draft_ahead.jsonl", "/tmp/w/trace-specserve_native_k4.jsonl"}
     # Ray's GPU shares of the pools fit the one GPU
     shares = [pool.ray_actor_options["num_gpus"] for app in apps.values() for pool in (app.target, app.draft) if pool]
     assert len(shares) == 5 and sum(shares) <= 1.0
@@ -104,6 +109,23 @@ def test_the_table_compares_each_system_with_vllm_s_own_speculation_at_the_same_
     table = gpu_vllm.markdown({"summary": gpu_vllm.summarize(rows)})
     assert "| specserve native k=4 | 1 | 105.0 (105.0) | 50 | 4.60 | 7.2 | 0.5x |" in table
     assert "| vllm none | 4 | 400.0 (400.0) | 50 | - | - | - |" in table
+
+
+def test_each_router_s_trace_says_where_its_rounds_went(tmp_path):
+    """round_profiles reads the traces the routers wrote: rounds of one stream that had a draft."""
+    system = "specserve vllm pools k=4 draft ahead"
+    lines = [{"in_flight": 1, "round_s": 0.032, "verify_s": 0.014, "draft_s": 0.016, "drafted_ahead": True,
+              "ahead_wait_s": 0.003},
+             {"in_flight": 1, "round_s": 0.048, "verify_s": 0.014, "draft_s": 0.016, "drafted_ahead": False,
+              "ahead_wait_s": 0.002},
+             {"in_flight": 1, "round_s": 0.020, "verify_s": 0.014, "draft_s": None},  # the first round: no draft
+             {"in_flight": 4, "round_s": 0.090, "verify_s": 0.030, "draft_s": 0.030, "drafted_ahead": True}]
+    gpu_vllm.trace_path(tmp_path, system).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    profiles = gpu_vllm.round_profiles(tmp_path, [system, "vllm native k=4"])
+    assert profiles == {system: {"rounds": 2, "drafted_ahead": 0.5, "round_ms": 40.0, "verify_ms": 14.0,
+                                 "draft_ms": 16.0, "ahead_wait_ms": 2.5, "rest_ms": 18.0}}
+    table = gpu_vllm.markdown({"summary": [], "rounds": profiles})
+    assert f"| {system} | 2 | 50% | 40.0 | 14.0 | 16.0 | 2.5 | 18.0 |" in table
 
 
 def test_a_failed_start_shows_the_error_lines_of_the_logs(tmp_path):

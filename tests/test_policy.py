@@ -617,7 +617,8 @@ def test_the_policy_trace_records_a_round_and_what_the_decision_came_from(tmp_pa
         trace.write(trace_line(state, decision, mode=mode, in_flight=3, load=load, catch_up=3,
                                k=state.round_k(), round_s=0.25, result=result, proposal=None,
                                warming_up=mode == "model", counted=mode == "off", epoch=7,
-                               estimates={"model": 4.0, "off": None}))
+                               estimates={"model": 4.0, "off": None}, drafted_ahead=mode == "model",
+                               ahead_wait_s=0.0123 if mode == "model" else None))
     lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     assert [(line["mode"], line["warming_up"], line["counted"], line["epoch"]) for line in lines] == \
         [("model", True, False, 7), ("off", False, True, 7)]
@@ -630,6 +631,10 @@ def test_the_policy_trace_records_a_round_and_what_the_decision_came_from(tmp_pa
                                      "queued": 2}
     assert first["draft_load"] is None and first["accepted"] == 1 and first["acceptance"] == [0.6] * 4
     assert first["drafted"] == 0 and first["survival"] == first["survival_accepted"] == []
+    # where the round's time went
+    assert first["verify_s"] == 0.0 and first["draft_s"] is None
+    assert (first["drafted_ahead"], first["ahead_wait_s"]) == (True, 0.0123)
+    assert (lines[1]["drafted_ahead"], lines[1]["ahead_wait_s"]) == (False, None)
 
 
 def test_a_depth_asked_for_is_a_cap_the_proposer_may_stop_short_of():

@@ -44,6 +44,8 @@ from pathlib import Path
 
 import yaml
 
+from specserve.serve.policy_trace import TRACE_ENV
+
 K = 4
 MODEL_NAME = "bench"
 VLLM_PORTS = {"vllm none": 8101, "vllm native k=4": 8102}
@@ -115,17 +117,22 @@ def specserve_config(args) -> dict:
     separate pools (also drafting the next round during each verify, `speculation.draft_ahead`)
     and native mode."""
     kwargs = engine_kwargs(args)
-    router = {"ray_actor_options": {"num_cpus": 1}, "max_ongoing_requests": 64, "max_queued_requests": 64}
+    def router(system: str) -> dict:  # its rounds traced (where each round's time went: round_profile)
+        trace = {"env_vars": {TRACE_ENV: str(trace_path(args.work, system))}}
+        return {"ray_actor_options": {"num_cpus": 1, "runtime_env": trace}, "max_ongoing_requests": 64,
+                "max_queued_requests": 64}
+
     pools_app = {"model_name": MODEL_NAME, "target": pool(args.model, kwargs, POOL_GPU_SHARE),
                  "draft": pool(args.draft or args.model, kwargs, POOL_GPU_SHARE),
                  "speculation": {"proposer": "draft", "shape": "chain", "k": K, "policy": "fixed", "draft_ahead": False},
-                 "router": router}
+                 "router": router("specserve vllm pools k=4")}
     native_kwargs = kwargs | {"speculative_config": speculative_config(args.draft or args.model)}
     native_app = {"model_name": MODEL_NAME, "target": pool(args.model, native_kwargs, POOL_GPU_SHARE),
-                  "speculation": {"proposer": "native"}, "router": router}
+                  "speculation": {"proposer": "native"}, "router": router("specserve native k=4")}
     apps = {"specserve vllm pools k=4": pools_app,
             "specserve vllm pools k=4 draft ahead": pools_app | {
-                "speculation": pools_app["speculation"] | {"draft_ahead": True}},
+                "speculation": pools_app["speculation"] | {"draft_ahead": True},
+                "router": router("specserve vllm pools k=4 draft ahead")},
             "specserve native k=4": native_app}
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": SERVE_PORT},
             "applications": [{"name": SPECSERVE_ROUTES[system].strip("/"), "route_prefix": SPECSERVE_ROUTES[system],
@@ -347,6 +354,48 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def trace_path(work: str | Path, system: str) -> Path:
+    return Path(work).absolute() / f"trace-{log_name(system)}.jsonl"
+
+
+def round_profile(lines: list[dict]) -> dict | None:
+    """Where a separate-pool round's time went, medians over the rounds of a lone stream that
+    had a draft: the round, the pools' own time on its verify and its draft, how long it waited
+    for the next round's draft after the verify (drafting ahead), and the rest (transport,
+    queueing, the router): the round less the verify, less the draft where it was not drafted
+    during the last verify.
+
+    >>> round_profile([{"in_flight": 1, "round_s": 0.030, "verify_s": 0.012, "draft_s": 0.015,
+    ...                 "drafted_ahead": True, "ahead_wait_s": 0.004}])
+    {'rounds': 1, 'drafted_ahead': 1.0, 'round_ms': 30.0, 'verify_ms': 12.0, 'draft_ms': 15.0, 'ahead_wait_ms': 4.0, 'rest_ms': 18.0}
+    """
+    rounds = [line for line in lines if line.get("in_flight") == 1 and line.get("draft_s") is not None]
+    if not rounds:
+        return None
+
+    def median_ms(values) -> float | None:
+        values = [v for v in values if v is not None]
+        return round(1000 * statistics.median(values), 2) if values else None
+
+    return {"rounds": len(rounds), "drafted_ahead": round(sum(bool(r["drafted_ahead"]) for r in rounds) / len(rounds), 3),
+            "round_ms": median_ms(r["round_s"] for r in rounds), "verify_ms": median_ms(r["verify_s"] for r in rounds),
+            "draft_ms": median_ms(r["draft_s"] for r in rounds),
+            "ahead_wait_ms": median_ms(r.get("ahead_wait_s") for r in rounds),
+            "rest_ms": median_ms(r["round_s"] - r["verify_s"] - (0.0 if r["drafted_ahead"] else r["draft_s"])
+                                 for r in rounds)}
+
+
+def round_profiles(work: Path, systems: list[str]) -> dict[str, dict]:
+    profiles = {}
+    for system in systems:
+        path = trace_path(work, system)
+        if system in SPECSERVE_ROUTES and path.is_file():
+            profile = round_profile([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+            if profile is not None:
+                profiles[system] = profile
+    return profiles
+
+
 def markdown(results: dict) -> str:
     lines = ["| system | streams | tok/s (passes) | TTFT ms (median) | tokens per round "
              "| router's ms per round outside pool calls | vs vLLM native |", "|---|---|---|---|---|---|---|"]
@@ -356,6 +405,15 @@ def markdown(results: dict) -> str:
         ratio = f"{r['vs_vllm_native']}x" if r["vs_vllm_native"] is not None else "-"
         lines.append(f"| {r['system']} | {r['streams']} | {r['tok_s']:.1f} ({', '.join(map(str, r['tok_s_passes']))})"
                      f" | {r['ttft_ms']:.0f} | {per_round} | {overhead} | {ratio} |")
+    if results.get("rounds"):
+        lines += ["", "Where a round went, 1 stream (medians over the rounds with a draft, ms; rest: the round less "
+                  "the verify, less the draft where it was not drafted during the last verify):", "",
+                  "| system | rounds | drafted ahead | round | verify (pool) | draft (pool) | wait for the draft ahead "
+                  "| rest |", "|---|---|---|---|---|---|---|---|"]
+        for system, p in results["rounds"].items():
+            cells = [p[k] if p[k] is not None else "-" for k in ("round_ms", "verify_ms", "draft_ms", "ahead_wait_ms",
+                                                                 "rest_ms")]
+            lines.append(f"| {system} | {p['rounds']} | {p['drafted_ahead']:.0%} | " + " | ".join(map(str, cells)) + " |")
     lines += [f"\nFAILED {what}: {error}" for what, error in results.get("failed", {}).items()]
     if results.get("cut_short"):
         lines.append("\nCut short: the bench budget ran out before every pass was measured.")
@@ -606,11 +664,13 @@ def main(argv=None) -> None:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "calls.json").write_text(json.dumps(result, indent=1))
     elif args.action == "bench":
-        write_results(bench(args, Path(args.out)), Path(args.out))
+        results = bench(args, Path(args.out))
+        write_results(results | {"rounds": round_profiles(Path(args.work), args.systems)}, Path(args.out))
     else:  # all: where each command's processes end with it
         try:
             args.systems = start(args)
-            write_results(bench(args, Path(args.out)), Path(args.out))
+            results = bench(args, Path(args.out))
+            write_results(results | {"rounds": round_profiles(Path(args.work), args.systems)}, Path(args.out))
         except BaseException:
             traceback.print_exc()  # before `ray stop`, which ends this process (it is Ray's driver)
             raise
@@ -636,7 +696,8 @@ def save_logs(work: Path, out: Path, max_file_bytes: int = 4 << 20) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "logs.tar.gz"
     ray_logs = Path(RAY_LOGS)
-    files = [*sorted(work.glob("*.log")), *sorted(work.glob("*.yaml")), *sorted(ray_logs.glob("worker-*")),
+    files = [*sorted(work.glob("*.log")), *sorted(work.glob("*.yaml")), *sorted(work.glob("trace-*.jsonl")),
+             *sorted(ray_logs.glob("worker-*")),
              *sorted(ray_logs.glob("serve/*.log")), *sorted(ray_logs.glob("raylet*")), *sorted(ray_logs.glob("gcs*"))]
     with tarfile.open(path, "w:gz") as tar:
         for file in files:

@@ -35,13 +35,17 @@ def _load(load: PoolLoad | None) -> dict | None:
 def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_flight: int, load: LoadModel,
                catch_up: int, k: int, round_s: float, result: VerifyResult, proposal: Proposal | None,
                warming_up: bool = False, counted: bool = False, epoch: int | None = None,
-               estimates: dict | None = None) -> dict:
+               estimates: dict | None = None, drafted_ahead: bool = False,
+               ahead_wait_s: float | None = None) -> dict:
     """One round of `state` as the trace records it (`k`: the depth the round asked for, a cap
     the proposer may stop short of; `warming_up`: the round began in the warm-up of a switch to
     the model; `draft_syncing`: the draft pool catches up on the request in the background
     (its rounds run target-only meanwhile); `counted`: its epoch (`epoch`, numbered) measures
     it; `estimates`: each mode's goodput measured so far at this load, and what a switch to the
-    model would cost now; see MeasuredModes)."""
+    model would cost now; see MeasuredModes). Where a round's time went: `verify_s` and
+    `draft_s`, the pools' own time on its verify and on its draft; `drafted_ahead`, its draft
+    came from the last round's verify (speculation.draft_ahead); `ahead_wait_s`, how long it
+    waited for the next round's draft after its verify replied."""
     def line(coefficients: tuple[float, float]) -> list[float]:
         return [round(c, 5) for c in coefficients]
 
@@ -58,6 +62,9 @@ def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_
         "batch_ema": round(load.batch_ema, 2), "overhead_s": round(load.overhead_s, 4),
         "draft_overhead_s": None if load.draft_overhead_s is None else round(load.draft_overhead_s, 4),
         "catch_up": catch_up, "draft_syncing": state.draft_syncing, "round_s": round(round_s, 4),
+        "verify_s": round(result.compute_s, 4),
+        "draft_s": round(proposal.compute_s, 4) if proposal is not None else None,
+        "drafted_ahead": drafted_ahead, "ahead_wait_s": None if ahead_wait_s is None else round(ahead_wait_s, 4),
         "accepted": result.num_accepted,
         "target_load": _load(result.load), "draft_load": _load(proposal.load if proposal is not None else None),
         "drafted": max(proposal.tree.depths, default=0) if proposal is not None else 0,  # levels

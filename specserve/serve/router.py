@@ -378,6 +378,7 @@ class Router(GrpcApi):
                 drafting_ahead = self._draft_ahead(state, proposal)  # sent once the verify below is
                 try:
                     result = await self._before(deadline, state, self._verify(verify))
+                    verified = time.perf_counter()
                     next_draft = await drafting_ahead.result() if drafting_ahead is not None else None
                 except BaseException:  # an error, a deadline, a disconnect
                     if drafting_ahead is not None:  # let it end; free what it cached once released
@@ -401,7 +402,10 @@ class Router(GrpcApi):
                                                 round_s=wall, warming_up=warming_up,
                                                 counted=ticket is not None and ticket.counted,
                                                 epoch=ticket.epoch if ticket is not None else None,
-                                                estimates=self.modes.estimates(self.in_rounds)))
+                                                estimates=self.modes.estimates(self.in_rounds),
+                                                drafted_ahead=ahead is not None,
+                                                ahead_wait_s=time.perf_counter() - verified
+                                                if drafting_ahead is not None else None))
                 counts = SpecCounts.of(state.stats)
                 emitted = state.commit(result, verify.draft)
                 if drafting_ahead is not None:
