@@ -368,6 +368,26 @@ def test_redrafter_files_load_back_into_the_same_drafter(target, tmp_path):
         load_heads(out, target.lm_head.weight)
 
 
+def test_hidden_states_on_the_engine_equal_transformers_chunk_by_chunk(target):
+    """The cache's hidden states come from the torch engine (chunks of a chain whose nodes the
+    next chunk finds cached): the same rows as transformers' forward with its KV cache carried
+    over, and the same greedy tokens (float32)."""
+    import torch
+
+    from specserve.heads.train import compute_hidden_states, engine_chunks, transformers_chunks
+
+    sequences = [list(range(3, 40)), list(range(50, 57)), [9]]
+    with torch.inference_mode():
+        ours = list(engine_chunks(target, sequences, 8))
+        theirs = list(transformers_chunks(target, sequences, 8))
+    assert [h.shape for h, _ in ours] == [h.shape for h, _ in theirs]  # 5 + 1 + 1 chunks
+    for (h, logits), (h_ref, logits_ref) in zip(ours, theirs):
+        torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
+        assert torch.equal(logits.argmax(-1), logits_ref.argmax(-1))
+    cached = compute_hidden_states(target, sequences, 8, progress=False)
+    assert cached["hidden"].shape[0] == cached["greedy"].shape[0] == 45 and cached["offsets"].tolist() == [0, 37, 44, 45]
+
+
 # --------------------------------------------------------------------------- files
 
 

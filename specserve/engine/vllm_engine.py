@@ -371,6 +371,7 @@ class VllmEngine:
     async def propose(self, request: ProposeRequest) -> Proposal:
         """A chain of request.k draft tokens (a tree request gets a chain of its depth)."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         if self.role != "draft":
             raise SpecserveError("this pool verifies; it does not propose")
@@ -378,7 +379,9 @@ class VllmEngine:
             return Proposal(request.request_id, TokenTree(), DETERMINISTIC)
         started = time.perf_counter()
         sampled = sampling_refusal(self._info, request.params) is None and not request.params.greedy
-        params = SamplingParams(max_tokens=request.k, ignore_eos=True, detokenize=False, **(
+        # FINAL_ONLY: one output when the chain is done, not one per draft step to wake this loop for
+        params = SamplingParams(max_tokens=request.k, ignore_eos=True, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY, **(
             {"temperature": request.params.temperature, "top_k": request.params.top_k, "top_p": request.params.top_p,
              "seed": request.seed, "logprobs": self.top_n} if sampled else {"temperature": 0.0}))
         self.in_flight += 1

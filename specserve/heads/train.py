@@ -306,29 +306,74 @@ def compute_hidden_states(model, sequences: Sequence[Sequence[int]], seq_len: in
     stays bounded, every position still sees its whole prefix). Returns, over all N positions:
     hidden [N, H] (target dtype, on the CPU), greedy [N] (argmax of the full lm_head), tokens [N]
     and offsets [S + 1] (sequence s is rows offsets[s]:offsets[s+1]).
+
+    It runs on specserve's torch engine where it supports the model (fused, prepacked linears:
+    1.2x transformers' forward on a 2-core AVX2 EPYC in float32), else on transformers'; the two
+    agree to float rounding (the cache files do not say which made them).
     """
     import torch
     from tqdm import tqdm
 
-    device = next(model.parameters()).device
+    from specserve.engine.torch_worker import SUPPORTED_MODEL_TYPES
+
+    chunks = engine_chunks if getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES \
+        else transformers_chunks
     hidden, greedy = [], []
     total = sum(map(len, sequences))
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=desc, disable=not progress, dynamic_ncols=True)
     with torch.inference_mode(), bar:
-        for seq in sequences:
-            past = None
-            for start in range(0, len(seq), seq_len):
-                ids = torch.tensor([list(seq[start:start + seq_len])], device=device)
-                out = model.model(input_ids=ids, past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                h = out.last_hidden_state[0]
-                greedy.append(model.lm_head(h).argmax(-1).cpu())
-                hidden.append(h.cpu())
-                bar.update(ids.shape[1])
+        for h, logits in chunks(model, sequences, seq_len):
+            greedy.append(logits.argmax(-1).cpu())
+            hidden.append(h.cpu())
+            bar.update(h.shape[0])
     lengths = torch.tensor([0] + [len(s) for s in sequences])
     return {"hidden": torch.cat(hidden), "greedy": torch.cat(greedy),
             "tokens": torch.tensor([t for s in sequences for t in s], dtype=torch.long),
             "offsets": lengths.cumsum(0)}
+
+
+def engine_chunks(model, sequences: Sequence[Sequence[int]], seq_len: int):
+    """(hidden [n, H], logits [n, V]) of each chunk of `seq_len` positions, in order, on the torch
+    engine: a chunk is the token before it plus a chain of the rest, whose nodes the next chunk
+    finds cached (a chain's path is kept, as an accepted draft's)."""
+    from specserve.engine.torch_worker import ForwardItem, TorchWorker
+    from specserve.protocol import TokenTree
+
+    worker = TorchWorker(model, kv_cache_bytes=_kv_bytes_for(model, max(map(len, sequences), default=1)))
+    for s, seq in enumerate(sequences):
+        request_id = f"hidden-{s}"
+        for start in range(0, len(seq), seq_len):
+            end = min(start + seq_len, len(seq))
+            rows = worker.run([ForwardItem(request_id, list(seq[:start + 1]), TokenTree.chain(seq[start + 1:end]))])[0]
+            yield rows.hidden, rows.logits
+        worker.release(request_id)
+
+
+def _kv_bytes_for(model, tokens: int) -> int:
+    """A KV budget for one sequence of `tokens` (every layer's keys and values), plus a block."""
+    from specserve.engine.torch_worker import KVCache
+
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_token = KVCache.token_bytes(config.num_hidden_layers, kv_heads, head_dim,
+                                    next(model.parameters()).dtype)
+    return per_token * (tokens + 64)
+
+
+def transformers_chunks(model, sequences: Sequence[Sequence[int]], seq_len: int):
+    """engine_chunks' chunks from transformers' own forward, with its KV cache carried over."""
+    import torch
+
+    device = next(model.parameters()).device
+    for seq in sequences:
+        past = None
+        for start in range(0, len(seq), seq_len):
+            ids = torch.tensor([list(seq[start:start + seq_len])], device=device)
+            out = model.model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            h = out.last_hidden_state[0]
+            yield h, model.lm_head(h)
 
 
 def load_or_build_cache(path: Path, build: Callable[[], dict[str, torch.Tensor]], log: Log) -> tuple[dict, float]:
