@@ -190,7 +190,7 @@ class SpeculationArgs(_Strict):
         "whole chain is accepted and the bonus token is the draft's own next token; a round whose guess held "
         "starts with its draft in hand. Greedy draft chains only (exact: a greedy round emits the target's "
         "argmax whatever the draft). Default: on where the target and draft pools both run on CUDA devices, "
-        "where the draft's steps run beside the target's verify (vLLM pools on an H200: 1.47x tokens/s at 1 "
+        "where the draft's steps run beside the target's verify (vLLM pools on an H200: 1.50x tokens/s at 1 "
         "stream, docs/bench/gpu-h200-vllm-4); off on CPUs, where the pools share cores and it only adds work")
 
     @model_validator(mode="before")
