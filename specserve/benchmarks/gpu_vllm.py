@@ -664,13 +664,11 @@ def main(argv=None) -> None:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "calls.json").write_text(json.dumps(result, indent=1))
     elif args.action == "bench":
-        results = bench(args, Path(args.out))
-        write_results(results | {"rounds": round_profiles(Path(args.work), args.systems)}, Path(args.out))
+        bench_and_write(args)
     else:  # all: where each command's processes end with it
         try:
             args.systems = start(args)
-            results = bench(args, Path(args.out))
-            write_results(results | {"rounds": round_profiles(Path(args.work), args.systems)}, Path(args.out))
+            bench_and_write(args)
         except BaseException:
             traceback.print_exc()  # before `ray stop`, which ends this process (it is Ray's driver)
             raise
@@ -680,6 +678,12 @@ def main(argv=None) -> None:
 
             ray.shutdown()
             stop(args)
+
+
+def bench_and_write(args) -> None:
+    """The bench, then its results with where each router's rounds went (its trace)."""
+    results = bench(args, Path(args.out))
+    write_results(results | {"rounds": round_profiles(Path(args.work), args.systems)}, Path(args.out))
 
 
 def write_results(results: dict, out: Path, quiet: bool = False) -> None:

@@ -339,7 +339,7 @@ def engine_chunks(model, sequences: Sequence[Sequence[int]], seq_len: int):
     from specserve.engine.torch_worker import ForwardItem, TorchWorker
     from specserve.protocol import TokenTree
 
-    worker = TorchWorker(model, kv_cache_bytes=_kv_bytes_for(model, max(map(len, sequences), default=1)))
+    worker = TorchWorker(model, max_cached_tokens=max(map(len, sequences), default=1) + 64)  # one sequence
     for s, seq in enumerate(sequences):
         request_id = f"hidden-{s}"
         for start in range(0, len(seq), seq_len):
@@ -347,18 +347,6 @@ def engine_chunks(model, sequences: Sequence[Sequence[int]], seq_len: int):
             rows = worker.run([ForwardItem(request_id, list(seq[:start + 1]), TokenTree.chain(seq[start + 1:end]))])[0]
             yield rows.hidden, rows.logits
         worker.release(request_id)
-
-
-def _kv_bytes_for(model, tokens: int) -> int:
-    """A KV budget for one sequence of `tokens` (every layer's keys and values), plus a block."""
-    from specserve.engine.torch_worker import KVCache
-
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    per_token = KVCache.token_bytes(config.num_hidden_layers, kv_heads, head_dim,
-                                    next(model.parameters()).dtype)
-    return per_token * (tokens + 64)
 
 
 def transformers_chunks(model, sequences: Sequence[Sequence[int]], seq_len: int):
