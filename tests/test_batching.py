@@ -167,3 +167,28 @@ def test_streams_that_stop_drafting_rejoin_one_pass_at_once():
     10 ms, so the next pass waits for them and the two halves run as one."""
     batches = _streams_after_drafting_rounds()
     assert sum(len(b) == 4 for b in batches[-8:]) >= 6
+
+
+def test_a_lone_stream_does_not_wait_for_calls_nobody_is_sending():
+    """wait_s lets calls already on their way join a pass; a keyed batcher knows when none can
+    be (no other request answered and not back), so a lone stream's calls run at once, and the
+    wait comes back while another request is out."""
+    def run(items):
+        return items
+
+    async def timed(batcher, item) -> float:
+        started = time.perf_counter()
+        await batcher.submit(item)
+        return time.perf_counter() - started
+
+    async def scenario():
+        batcher = ContinuousBatcher(run, max_batch_size=8, wait_s=0.2, key=lambda item: item)
+        lone = [await timed(batcher, "a") for _ in range(3)]
+        await batcher.submit("b")  # b answered and not back: its next call may be on its way
+        beside_b = await timed(batcher, "a")
+        unkeyed = await timed(ContinuousBatcher(run, max_batch_size=8, wait_s=0.2), "a")
+        return lone, beside_b, unkeyed
+
+    lone, beside_b, unkeyed = asyncio.run(scenario())
+    assert max(lone) < 0.1
+    assert beside_b >= 0.2 and unkeyed >= 0.2

@@ -214,9 +214,9 @@ def test_affinity_router_reads_request_ids():
 
 
 def test_the_builder_runs_every_replica_in_serves_throughput_optimized_mode_when_told_to():
-    """fast_replica_calls puts RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (and direct ingress off) into the
-    router's and both pools' runtime_env; a pool's own env_vars win; off (the default) leaves
-    Serve's defaults."""
+    """fast_replica_calls (the default) puts RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (direct ingress off,
+    logs to stderr) into the router's and both pools' runtime_env; a pool's own env_vars win; off
+    leaves Serve's defaults."""
     from specserve.serve import FAST_REPLICA_CALLS_ENV, build_app
 
     mine = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "OTHER": "x"}
@@ -230,14 +230,15 @@ def test_the_builder_runs_every_replica_in_serves_throughput_optimized_mode_when
         target, draft = router.init_args[:2]
         return {d.name: d.ray_actor_options for d in (router, target._bound_deployment, draft._bound_deployment)}
 
-    assert AppArgs.model_validate(args).fast_replica_calls is False
-    options = actor_options(build_app({**args, "fast_replica_calls": True}))
+    assert AppArgs.model_validate(args).fast_replica_calls is True
+    options = actor_options(build_app(args))
     assert options["Router"]["runtime_env"]["env_vars"] == FAST_REPLICA_CALLS_ENV
     assert options["DraftPool"]["runtime_env"]["env_vars"] == FAST_REPLICA_CALLS_ENV
     assert options["TargetPool"]["runtime_env"]["env_vars"] == FAST_REPLICA_CALLS_ENV | mine
     assert options["TargetPool"]["num_cpus"] == 1
-    assert FAST_REPLICA_CALLS_ENV == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
-    options = actor_options(build_app(args))
+    assert FAST_REPLICA_CALLS_ENV == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+                                      "RAY_SERVE_LOG_TO_STDERR": "1"}
+    options = actor_options(build_app({**args, "fast_replica_calls": False}))
     assert "runtime_env" not in options["Router"] and "runtime_env" not in options["DraftPool"]
     assert options["TargetPool"]["runtime_env"]["env_vars"] == mine
 
@@ -253,3 +254,17 @@ def test_the_replica_calls_benchmark_config_is_a_valid_app_with_the_setting_it_c
     table = replica_calls.markdown([{"fast_replica_calls": True, "tok_s": 10.0, "overhead_ms_per_round": 12.0},
                                     {"fast_replica_calls": False, "tok_s": 8.0, "overhead_ms_per_round": 21.0}])
     assert "| 0 | on | 10.00 | 12.0 |" in table and "off: mean 8.00 tok/s, 21.0 ms" in table
+
+
+def test_the_router_calls_the_pools_over_grpc_in_throughput_optimized_mode():
+    """The pools' handles reach the router made where the app was built, by reference; with
+    fast_replica_calls the router asks for gRPC (without it, or without a pool, as they come)."""
+    from specserve.serve.router import pool_handle
+
+    class Handle:
+        def options(self, **kwargs):
+            return ("options", kwargs)
+
+    handle = Handle()
+    assert pool_handle(handle, True) == ("options", {"_by_reference": False})
+    assert pool_handle(handle, False) is handle and pool_handle(None, True) is None

@@ -97,8 +97,10 @@ def check_auth(args: AppArgs) -> None:
 
 
 # Ray Serve's throughput-optimized mode for the replicas specserve builds (AppArgs.fast_replica_calls);
-# direct ingress (the router serving HTTP on its own port) is left off: the proxy stays the way in
-FAST_REPLICA_CALLS_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+# direct ingress (the router serving HTTP on its own port) is left off: the proxy stays the way in,
+# and replica logs still reach stderr (`serve run`'s console), as without the mode
+FAST_REPLICA_CALLS_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+                          "RAY_SERVE_LOG_TO_STDERR": "1"}
 
 
 def with_env_defaults(options: dict, env: dict[str, str]) -> dict:

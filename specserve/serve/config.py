@@ -282,10 +282,11 @@ class AppArgs(_Strict):
     # reachable hub); the pools compare again at start-up either way.
     check_vocabulary_at_build: bool = True
     fast_replica_calls: bool = Field(
-        False, description="run the router and the pools in Ray Serve's throughput-optimized mode "
-        "(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in each deployment's runtime_env: calls between replicas over gRPC, "
-        "user code on each replica's own event loop, buffered access logs; direct ingress off). Off by default: "
-        "as built (direct ingress off) it measured no gain (README, 'Calls between replicas'). A pool's own "
+        True, description="run the router and the pools in Ray Serve's throughput-optimized mode "
+        "(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in each deployment's runtime_env: the router's calls to the pools go over "
+        "gRPC straight to the replica, user code runs on each replica's own event loop, access logs are buffered; "
+        "direct ingress stays off and replica logs still reach stderr). It cut the router's time per round outside "
+        "the pools' compute from 21 to 14 ms on a 2-core CPU (README, 'Calls between replicas'). A pool's own "
         "ray_actor_options.runtime_env.env_vars win over it")
 
     @model_validator(mode="after")

@@ -120,6 +120,16 @@ async def _free(pool: DeploymentHandle, request_id: str) -> None:
         pass
 
 
+def pool_handle(handle: DeploymentHandle | None, fast_replica_calls: bool) -> DeploymentHandle | None:
+    """The handle the router calls a pool through. In Ray Serve's throughput-optimized mode
+    (`fast_replica_calls`) a call goes over gRPC straight to the replica only from a handle
+    whose options say so, and the handles passed to the router were made where the app was
+    built, outside the replicas' runtime_env: they carry that process's default, by reference
+    through Ray's object store. Between two replicas on the 2-core EPYC a bare call took 4.3 ms
+    that way against 2.1-2.5 ms over gRPC (5.0 ms without the mode)."""
+    return handle.options(_by_reference=False) if fast_replica_calls and handle is not None else handle
+
+
 @dataclass
 class DraftAhead:
     """A draft pool call for the next round's draft, made while this round verifies."""
@@ -161,8 +171,8 @@ class Router(GrpcApi):
         self.http_policy = HttpPolicy(self.api_keys, int(self.args.limits.max_request_bytes))
         self.spec = self.args.speculation  # pool settings: draft timeouts
         self.speculation = self.spec.spec()  # the deployment's default Speculation
-        self.target = target
-        self.draft = draft
+        self.target = pool_handle(target, self.args.fast_replica_calls)
+        self.draft = pool_handle(draft, self.args.fast_replica_calls)
         self.codec = TextCodec.for_model(self.args.target.model)
         self._info: dict | None = None
         self._info_lock = asyncio.Lock()
