@@ -51,12 +51,13 @@ MODEL_NAME = "bench"
 VLLM_PORTS = {"vllm none": 8101, "vllm native k=4": 8102}
 SERVE_PORT = 8000
 RAY_LOGS = "/tmp/ray/session_latest/logs"
-SERVER_GPU_SHARE = 0.2  # of the GPU's memory, per `vllm serve`; specserve's pools ask Ray for 0.2 each
-POOL_GPU_SHARE = 0.2  # Ray's GPU share per specserve pool: five pools on the one GPU
+SERVER_GPU_SHARE = 0.2  # of the GPU's memory, per `vllm serve` (specserve's engines have a fixed KV budget)
+POOL_GPU_SHARE = 0.14  # Ray's GPU share per specserve pool: seven pools on the one GPU
 SPECSERVE_ROUTES = {"specserve vllm pools k=4": "/pools", "specserve vllm pools k=4 draft ahead": "/aheadpools",
+                    "specserve vllm pools k=4 draft ahead default calls": "/aheadslow",
                     "specserve native k=4": "/native"}
 SYSTEMS = ("vllm none", "vllm native k=4", "specserve vllm pools k=4", "specserve vllm pools k=4 draft ahead",
-           "specserve native k=4")
+           "specserve vllm pools k=4 draft ahead default calls", "specserve native k=4")
 PROMPTS = (
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "Write a Python function that checks whether a string is a palindrome.\n",
@@ -114,8 +115,9 @@ def pool(model: str, kwargs: dict, gpus: float) -> dict:
 
 def specserve_config(args) -> dict:
     """A Serve config with the specserve systems asked for as applications of one cluster: the
-    separate pools (also drafting the next round during each verify, `speculation.draft_ahead`)
-    and native mode."""
+    separate pools (also drafting the next round during each verify, `speculation.draft_ahead`,
+    and that with Serve's default calls between replicas instead of `fast_replica_calls`) and
+    native mode."""
     kwargs = engine_kwargs(args)
     def router(system: str) -> dict:  # its rounds traced (where each round's time went: round_profile)
         trace = {"env_vars": {TRACE_ENV: str(trace_path(args.work, system))}}
@@ -133,6 +135,9 @@ def specserve_config(args) -> dict:
             "specserve vllm pools k=4 draft ahead": pools_app | {
                 "speculation": pools_app["speculation"] | {"draft_ahead": True},
                 "router": router("specserve vllm pools k=4 draft ahead")},
+            "specserve vllm pools k=4 draft ahead default calls": pools_app | {
+                "speculation": pools_app["speculation"] | {"draft_ahead": True}, "fast_replica_calls": False,
+                "router": router("specserve vllm pools k=4 draft ahead default calls")},
             "specserve native k=4": native_app}
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": SERVE_PORT},
             "applications": [{"name": SPECSERVE_ROUTES[system].strip("/"), "route_prefix": SPECSERVE_ROUTES[system],
