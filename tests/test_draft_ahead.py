@@ -160,8 +160,9 @@ def make_router(monkeypatch, draft, target, draft_ahead: bool):
     codec = type("Codec", (), {"decode": staticmethod(lambda ids: " ".join(map(str, ids)))})()
     monkeypatch.setattr(router_module.TextCodec, "for_model", classmethod(lambda cls, ref, **_: codec))
     monkeypatch.setattr(router_module, "RouterMetrics", lambda: RouterMetrics(make=FakeMetric))
+    # fast_replica_calls off: the fakes are called directly, not through Serve handles
     args = {"target": {"model": "fake"}, "draft": {"model": "fake-draft"}, "check_vocabulary_at_build": False,
-            "speculation": {"k": 3, "policy": "fixed", "draft_ahead": draft_ahead}}
+            "speculation": {"k": 3, "policy": "fixed", "draft_ahead": draft_ahead}, "fast_replica_calls": False}
     router_class = router_module.Router.func_or_class.__bases__[0]  # under Serve's ingress wrapper
     return router_class(target, draft, args)
 
