@@ -131,13 +131,12 @@ def specserve_config(args) -> dict:
     native_kwargs = kwargs | {"speculative_config": speculative_config(args.draft or args.model)}
     native_app = {"model_name": MODEL_NAME, "target": pool(args.model, native_kwargs, POOL_GPU_SHARE),
                   "speculation": {"proposer": "native"}, "router": router("specserve native k=4")}
+    ahead_app = pools_app | {"speculation": pools_app["speculation"] | {"draft_ahead": True},
+                             "router": router("specserve vllm pools k=4 draft ahead")}
     apps = {"specserve vllm pools k=4": pools_app,
-            "specserve vllm pools k=4 draft ahead": pools_app | {
-                "speculation": pools_app["speculation"] | {"draft_ahead": True},
-                "router": router("specserve vllm pools k=4 draft ahead")},
-            "specserve vllm pools k=4 draft ahead default calls": pools_app | {
-                "speculation": pools_app["speculation"] | {"draft_ahead": True}, "fast_replica_calls": False,
-                "router": router("specserve vllm pools k=4 draft ahead default calls")},
+            "specserve vllm pools k=4 draft ahead": ahead_app,
+            "specserve vllm pools k=4 draft ahead default calls": ahead_app | {
+                "fast_replica_calls": False, "router": router("specserve vllm pools k=4 draft ahead default calls")},
             "specserve native k=4": native_app}
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": SERVE_PORT},
             "applications": [{"name": SPECSERVE_ROUTES[system].strip("/"), "route_prefix": SPECSERVE_ROUTES[system],
