@@ -232,16 +232,20 @@ def test_the_deadline_frees_the_caches_in_both_pools(app):
         return sum(s["requests"] for pool in app for s in pool_stats(pool).values())
 
     assert wait_for(lambda: cached() == 0)
-    # 8 s: the app drafts ahead (conftest), which on two shared cores slows its rounds; 4 events
-    # must come well inside the deadline
+    # 8 s: the app drafts ahead (conftest), which on two shared cores slows its rounds
     body = {"model": "smol", "prompt": LONG, "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
             "stream": True, "timeout_s": 8}
+    # The first rounds run target-only while the draft pool catches up on the prompt in the
+    # background (RequestState.prefill_without_draft), so the draft pool's cache appears a few
+    # events in, however fast those rounds are: look at each event until both pools hold it.
+    held_in_both = False
     with httpx.stream("POST", f"{BASE}/v1/completions", json=body, timeout=60) as r:
         events = []
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])
-            if len(events) == 4:
-                assert cached() >= 2  # the request's caches in the target pool and the draft pool
+                if not held_in_both and events[-1] != "[DONE]":
+                    held_in_both = cached() >= 2  # the request's caches in the target pool and the draft pool
+    assert held_in_both
     assert events[-1] == "[DONE]" and '"deadline_exceeded"' in events[-2]
     assert wait_for(lambda: cached() == 0, timeout=30)
