@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from specserve import models
-from specserve.engine.torch_worker import Linear, TorchWorker
+from specserve.engine.torch_worker import BOTH, MANY_ROWS, Linear, TorchWorker
 from specserve.proposers.draft_model import DraftModelProposer
 from specserve.protocol import SpecserveError
 from specserve.verifier import Verifier
@@ -51,7 +51,9 @@ def serving_heads(heads, worker: TorchWorker):
     projections of 32k rows took ~32 ms a round one head at a time and ~9 ms as one prepacked
     product, where a target step is ~145 ms."""
     if heads.shared_lm_head is not None:
-        heads.use_projection_kernel(Linear(heads.shared_lm_head, pack=worker.prepacked))
+        # every head's rows in one product: always many rows
+        layout = MANY_ROWS if worker.linear_layout == BOTH else worker.linear_layout
+        heads.use_projection_kernel(Linear(heads.shared_lm_head, pack=worker.prepacked, layout=layout))
     return heads
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from specserve.engine.torch_worker import BLOCK_TOKENS, ForwardItem, TorchWorker
+from specserve.engine.torch_worker import BLOCK_TOKENS, BOTH, LAYOUTS, ONE_ROW, ForwardItem, TorchWorker
 from specserve.protocol import SpecserveError, TokenTree
 
 ATOL = 1e-5
@@ -305,3 +305,44 @@ def test_decode_rows_of_many_requests_of_different_lengths_equal_one_at_a_time(m
     for got, want, s in zip(together.forward(items), expected, seqs):
         assert torch.allclose(got, want, atol=ATOL)
         assert torch.allclose(got[0], reference_logits(model, s)[-1], atol=ATOL)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_linear_layout_computes_the_same_map_for_one_row_and_many(layout):
+    from specserve.engine.torch_worker import Linear, can_prepack
+
+    pack = can_prepack(torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(48, 32, generator=gen), torch.randn(48, generator=gen)
+    linear = Linear(weight, bias, pack=pack, layout=layout)
+    for rows in (1, 2, 5, 33):
+        x = torch.randn(rows, 32, generator=gen)
+        assert torch.allclose(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5)
+    assert torch.allclose(linear(x.view(3, 11, 32)), torch.nn.functional.linear(x, weight, bias).view(3, 11, 48), atol=1e-5)
+    if pack:  # BOTH keeps two packed copies; a single layout serves every pass from one
+        assert (linear.weight is linear.many_rows_weight) == (layout != BOTH)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_worker_in_any_layout_decodes_like_the_reference(model, layout):
+    """Decode steps (one row) and chain verifies (several) in each layout equal a plain
+    causal forward."""
+    gen = torch.Generator().manual_seed(4)
+    seq = torch.randint(0, 97, (14,), generator=gen).tolist()
+    worker = TorchWorker(model, linear_layout=layout)
+    assert worker.linear_layout == layout
+    worker.forward([ForwardItem("r", seq[:8])])
+    step = worker.forward([ForwardItem("r", seq[:9])])[0]
+    verify = worker.forward([ForwardItem("r", seq[:9], TokenTree.chain(seq[9:13]))])[0]
+    reference = reference_logits(model, seq[:13])
+    assert torch.allclose(step[0], reference[8], atol=ATOL)
+    assert torch.allclose(verify, reference[8:13], atol=ATOL)
+
+
+def test_the_default_layout_follows_the_dtype_and_unknown_layouts_are_refused(model):
+    from specserve.engine.torch_worker import Linear, default_linear_layout
+
+    assert TorchWorker(model).linear_layout == BOTH  # tiny models are float32
+    assert default_linear_layout(torch.bfloat16) == ONE_ROW
+    with pytest.raises(SpecserveError, match="unknown linear layout"):
+        Linear(torch.ones(2, 2), pack=False, layout="diagonal")

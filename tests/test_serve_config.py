@@ -268,3 +268,16 @@ def test_the_router_calls_the_pools_over_grpc_in_throughput_optimized_mode():
     handle = Handle()
     assert pool_handle(handle, True) == ("options", {"_by_reference": False})
     assert pool_handle(handle, False) is handle and pool_handle(None, True) is None
+
+
+def test_a_pools_linear_layout_reaches_its_worker_and_a_bad_one_is_refused(tmp_path):
+    from conftest import tiny_model
+    from specserve.engine.torch_engine import load_worker
+    from specserve.serve.config import PoolArgs
+
+    tiny_model("qwen2", seed=0).save_pretrained(tmp_path)
+    for layout, expected in (("auto", "both"), ("many_rows", "many_rows"), ("one_row", "one_row")):
+        args = PoolArgs(model=str(tmp_path), dtype="float32", linear_layout=layout).model_dump()
+        assert load_worker(args).linear_layout == expected
+    with pytest.raises(ValidationError, match="linear_layout"):
+        PoolArgs(model=str(tmp_path), linear_layout="diagonal")

@@ -42,6 +42,10 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 CUDA_ATTENTION_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 # Small passes (decode, chain verify) replayed as CUDA graphs by default on CUDA; see cuda_graphs.py.
 CUDA_GRAPHS_BY_DEFAULT = True
+# oneDNN weight layouts of a prepacked Linear (see Linear): packed for passes of one row, of
+# many rows, or both. float32 linears on CPU keep both by default (measured on AVX2).
+ONE_ROW, MANY_ROWS, BOTH = "one_row", "many_rows", "both"
+LAYOUTS = (ONE_ROW, MANY_ROWS, BOTH)
 
 
 @dataclass
@@ -82,17 +86,30 @@ class Linear:
     """A linear map `x @ weight.T + bias`, on CPU prepacked into oneDNN's blocked layout: at
     batch 1 the packed bf16 kernel streams weights ~1.5x faster than eager `F.linear`
     (DESIGN.md), with the same results. Elsewhere (CUDA) it is a plain F.linear. `sizes`: the
-    output widths of the layers fused into it (see `fused`). Inputs of any rank [..., in]."""
+    output widths of the layers fused into it (see `fused`). Inputs of any rank [..., in].
+
+    oneDNN packs for a batch size. The layout packed for one row is the fastest for a lone
+    decode step, but in float32 on AVX2 it ran passes of 2-9 rows (a verify, a batched decode)
+    about 2x slower than a layout packed for many rows, which costs a lone step 5-20% more
+    (DESIGN.md). `layout`: ONE_ROW, MANY_ROWS (for passes that always have many rows, such
+    as the heads' shared projection), or BOTH (twice the memory; each pass takes the layout
+    for its row count)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool,
-                 sizes: list[int] | None = None):
+                 sizes: list[int] | None = None, layout: str = ONE_ROW):
+        if layout not in LAYOUTS:
+            raise SpecserveError(f"unknown linear layout {layout!r}; choose from {', '.join(LAYOUTS)}")
         self.bias = bias
         self.sizes = sizes or [weight.shape[0]]
         self.packed = pack
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if pack else weight
+        self.layout = layout
+        many = torch.ops.mkldnn._reorder_linear_weight(weight) if pack and layout != ONE_ROW else None
+        one = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if pack and layout != MANY_ROWS else None
+        self.weight = weight if not pack else one if one is not None else many  # a pass of one row takes this
+        self.many_rows_weight = many if many is not None else self.weight  # a pass of several rows this
 
     @classmethod
-    def fused(cls, modules, *, pack: bool, rows: int | None = None) -> Linear:
+    def fused(cls, modules, *, pack: bool, rows: int | None = None, layout: str = ONE_ROW) -> Linear:
         """nn.Linear layers that read the same input (q/k/v, gate/up), fused along their outputs
         into one matrix. rows: keep only the first output rows (the usable vocabulary)."""
         weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
@@ -103,15 +120,22 @@ class Linear:
             bias = torch.cat([b.detach() if b is not None else weight.new_zeros(m.out_features)
                               for m, b in zip(modules, biases)])
         sizes = [m.out_features for m in modules] if rows is None else [weight.shape[0]]
-        return cls(weight, bias, pack=pack, sizes=sizes)
+        return cls(weight, bias, pack=pack, sizes=sizes, layout=layout)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
-        if x.dim() == 2:  # the worker's passes: no reshapes on the hot path
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # the worker's passes are 2-D already
+        weight = self.weight if flat.shape[0] == 1 else self.many_rows_weight
+        out = torch.ops.mkldnn._linear_pointwise(flat, weight, self.bias, "none", [], "")
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def default_linear_layout(dtype: torch.dtype) -> str:
+    """BOTH for float32 (a verify of 5 rows ran ~2x faster in the many-rows layout on AVX2,
+    a lone decode step 5-20% slower); ONE_ROW for bf16, whose one-row layout verified 5 rows
+    at ~1.17x a decode step on AVX-512 (DESIGN.md)."""
+    return BOTH if dtype == torch.float32 else ONE_ROW
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -292,8 +316,8 @@ class TorchWorker:
     default: on CUDA devices (CUDA_GRAPHS_BY_DEFAULT), never on CPU."""
 
     def __init__(self, model, *, kv_cache_bytes: int | None = None, max_cached_tokens: int | None = None,
-                 vocab_size: int | None = None, prepack: bool | None = None, release_model_weights: bool = False,
-                 cuda_graphs: bool | None = None):
+                 vocab_size: int | None = None, prepack: bool | None = None, linear_layout: str | None = None,
+                 release_model_weights: bool = False, cuda_graphs: bool | None = None):
         config = model.config
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -314,8 +338,10 @@ class TorchWorker:
         # Rows of the LM head beyond the shared tokenizer vocabulary are never used.
         self.vocab_size = min(vocab_size or model.lm_head.out_features, model.lm_head.out_features)
         self.prepacked = can_prepack(self.device, self.dtype) if prepack is None else prepack
+        self.linear_layout = linear_layout or default_linear_layout(self.dtype)
         self.layers = [self._layer(layer) for layer in self.body.layers]
-        self.output = Linear.fused([model.lm_head], pack=self.prepacked, rows=self.vocab_size)
+        self.output = Linear.fused([model.lm_head], pack=self.prepacked, rows=self.vocab_size,
+                                   layout=self.linear_layout)
         if release_model_weights:
             self._release_model_weights()
         layers = len(self.layers)
@@ -345,11 +371,11 @@ class TorchWorker:
 
     def _layer(self, layer) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        pack = self.prepacked
+        packing = {"pack": self.prepacked, "layout": self.linear_layout}
         return _Layer(
             input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
-            qkv=Linear.fused([attn.q_proj, attn.k_proj, attn.v_proj], pack=pack), o=Linear.fused([attn.o_proj], pack=pack),
-            gate_up=Linear.fused([mlp.gate_proj, mlp.up_proj], pack=pack), down=Linear.fused([mlp.down_proj], pack=pack),
+            qkv=Linear.fused([attn.q_proj, attn.k_proj, attn.v_proj], **packing), o=Linear.fused([attn.o_proj], **packing),
+            gate_up=Linear.fused([mlp.gate_proj, mlp.up_proj], **packing), down=Linear.fused([mlp.down_proj], **packing),
             act=mlp.act_fn, scale=attn.scaling,
             q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
         )

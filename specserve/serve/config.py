@@ -66,6 +66,12 @@ class PoolArgs(_DeploymentArgs):
         "first use; trees and prefill run eagerly. Exact: in float32 the logits equal the eager pass's. On an "
         "H100 a batch-1 decode step of Qwen2.5-Coder-1.5B's shapes took 5.2 ms against 31.5 eager "
         "(docs/bench/gpu-h100/cuda-graphs.md). Default: on for CUDA devices; CUDA only")
+    linear_layout: Literal["auto", "one_row", "many_rows", "both"] = Field(
+        "auto", description="torch engine on CPU: the oneDNN layout the linears are prepacked in. one_row is "
+        "the fastest for a lone decode step; many_rows for verify passes and batched decode (a 5-row verify "
+        "of the float32 1.5B target ran ~2x faster in it on AVX2, a lone step 5-20% slower); both keeps the "
+        "two (twice the projections' memory) and lets each pass take its own. auto: both in float32, "
+        "one_row in bf16")
     prefill_chunk_tokens: int = Field(
         256, ge=16, description="most prompt tokens one pass computes beyond decode rounds: a longer prompt "
         "is cached chunk by chunk, riding along with the other requests' rounds instead of stalling them")
