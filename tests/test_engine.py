@@ -346,3 +346,28 @@ def test_the_default_layout_follows_the_dtype_and_unknown_layouts_are_refused(mo
     assert default_linear_layout(torch.bfloat16) == ONE_ROW
     with pytest.raises(SpecserveError, match="unknown linear layout"):
         Linear(torch.ones(2, 2), pack=False, layout="diagonal")
+
+
+def test_an_int8_linear_is_close_to_the_float_map_and_keeps_the_dtype():
+    from specserve.engine.torch_worker import Int8Linear, Linear
+
+    gen = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(64, 48, generator=gen), torch.randn(64, generator=gen)
+    linear = Int8Linear(weight, bias, sizes=[40, 24])
+    for rows in (1, 5):
+        x = torch.randn(rows, 48, generator=gen)
+        exact = torch.nn.functional.linear(x, weight, bias)
+        got = linear(x)
+        assert got.dtype == x.dtype and got.shape == exact.shape
+        assert (got - exact).abs().max() < 0.05 * exact.abs().max()  # int8: close, not equal
+    assert linear(x.view(1, 5, 48)).shape == (1, 5, 64)
+    assert linear.sizes == [40, 24]
+    bf16 = Int8Linear(weight.bfloat16(), bias.bfloat16())
+    assert bf16(x.bfloat16()).dtype == torch.bfloat16
+    fused = Linear.fused([torch.nn.Linear(48, 8), torch.nn.Linear(48, 4)], pack=False, quantize="int8")
+    assert isinstance(fused, Int8Linear) and fused.sizes == [8, 4]
+
+
+def test_a_worker_refuses_an_unknown_quantization(model):
+    with pytest.raises(SpecserveError, match="unknown quantization"):
+        TorchWorker(model, quantize="int4")

@@ -270,7 +270,7 @@ def test_the_router_calls_the_pools_over_grpc_in_throughput_optimized_mode():
     assert pool_handle(handle, False) is handle and pool_handle(None, True) is None
 
 
-def test_a_pools_linear_layout_reaches_its_worker_and_a_bad_one_is_refused(tmp_path):
+def test_a_pools_linear_layout_and_quantization_reach_its_worker_and_bad_ones_are_refused(tmp_path):
     from conftest import tiny_model
     from specserve.engine.torch_engine import load_worker
     from specserve.serve.config import PoolArgs
@@ -281,3 +281,15 @@ def test_a_pools_linear_layout_reaches_its_worker_and_a_bad_one_is_refused(tmp_p
         assert load_worker(args).linear_layout == expected
     with pytest.raises(ValidationError, match="linear_layout"):
         PoolArgs(model=str(tmp_path), linear_layout="diagonal")
+    assert load_worker(PoolArgs(model=str(tmp_path), quantize="int8").model_dump()).quantize == "int8"
+
+
+def test_only_a_cpu_torch_draft_pool_may_be_quantized():
+    args = yaml.safe_load(next(m for m in MANIFESTS if m.name == "local.yaml").read_text())["applications"][0]["args"]
+    assert AppArgs.model_validate(args).draft.quantize == "int8"  # the local pair's draft runs in int8
+    with pytest.raises(ValidationError, match="target.quantize: int8 would change the output"):
+        AppArgs.model_validate({**args, "target": {**args["target"], "quantize": "int8"}})
+    with pytest.raises(ValidationError, match="torch engine's on CPU"):
+        AppArgs.model_validate({**args, "draft": {**args["draft"], "device": "cuda"}})
+    with pytest.raises(ValidationError, match="quantize"):
+        AppArgs.model_validate({**args, "draft": {**args["draft"], "quantize": "int4"}})

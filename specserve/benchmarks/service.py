@@ -21,7 +21,8 @@ from specserve.grpc import grpc_options
 Encoded = list[tuple[Workload, list[list[int]]]]
 
 
-def serve_config(target: str, draft: str | None, dtype: str, port: int, heads: str | None = None) -> dict:
+def serve_config(target: str, draft: str | None, dtype: str, port: int, heads: str | None = None,
+                 draft_quantize: str = "none") -> dict:
     """A Serve config for the benchmark pair on this machine (like manifests/local.yaml; with
     `heads`, the target pool is co-located with them, as in manifests/local-medusa.yaml)."""
     threads = 2  # pools take turns within a round: each may use both cores
@@ -35,7 +36,7 @@ def serve_config(target: str, draft: str | None, dtype: str, port: int, heads: s
             "router": {"ray_actor_options": {"num_cpus": 0.1}, "max_ongoing_requests": 32,
                        "max_queued_requests": 32}}
     if draft:
-        args["draft"] = pool(draft, 0.5)
+        args["draft"] = pool(draft, 0.5) | {"quantize": draft_quantize}
     if heads:
         args["target"]["heads"] = heads
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="every system's dtype (default auto: bfloat16 on CPUs with native bf16 matrix products, "
                         "else float32; the report names the one used)")
+    p.add_argument("--draft-quantize", choices=["int8", "none"],
+                   help="the draft's linears (specserve's draft rows, library and service): int8 (default on CPU; "
+                        "the output stays the target's, see the quantize pool option) or none (the draft's dtype)")
     p.add_argument("--workloads", nargs="+", choices=workloads.WORKLOADS, help="default: code chat")
     p.add_argument("--prompts", type=int, help=f"prompts per workload (default {FULL['prompts']})")
     p.add_argument("--max-tokens", type=int, help=f"new tokens per prompt (default {FULL['max_tokens']})")
@@ -117,6 +120,12 @@ def resolve_defaults(args: argparse.Namespace) -> None:
                 "workloads", "systems", "manifest"):
         if getattr(args, key) is None:
             setattr(args, key, next((layer[key] for layer in layers if key in layer), None))
+    if args.draft_quantize is None:  # the bench runs on CPU: the draft's fastest exact setting there
+        import torch
+
+        from specserve.engine.torch_worker import can_quantize
+
+        args.draft_quantize = "int8" if can_quantize(torch.device("cpu")) else "none"
     # service mode never asks for more requests or longer answers than library mode
     for key, cap in (("service_requests", args.prompts), ("service_max_tokens", args.max_tokens)):
         if getattr(args, key) is None:
@@ -200,7 +209,8 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
         "phases": {},  # wall time of each phase, to plan runs
         "machine": machine,
         "setup": {
-            "target": args.target, "draft": args.draft, "dtype": args.dtype, "max_tokens": args.max_tokens,
+            "target": args.target, "draft": args.draft, "dtype": args.dtype, "draft_quantize": args.draft_quantize,
+            "max_tokens": args.max_tokens,
             "k": systems.K, "seed": args.seed, "greedy": True, "quick": args.quick, "preset": args.preset,
             "modes": args.modes, "stop_token_ids": stop_ids,
             "batch_sizes": args.batch_sizes if lib_systems else [], "repeats": args.repeats,
@@ -272,7 +282,8 @@ def _load_in_process(args, lib_systems, stop_ids, doc, bar) -> library.InProcess
     heads = _heads(args)
 
     def load():
-        pair = load_pair(args.target, args.draft, dtype=args.dtype)
+        pair = load_pair(args.target, args.draft, dtype=args.dtype,
+                         draft_quantize=None if args.draft_quantize == "none" else args.draft_quantize)
         pair.add_heads(heads.values())
         return pair, SpeculativeDecoder(pair.verifier(), pair.proposer(), tokenizer=pair.tokenizer,
                                         eos_token_ids=stop_ids, method="none", max_context=pair.max_context)
@@ -408,7 +419,7 @@ def _service_mode(args, svc_systems, encoded, out, bar, phases) -> list[dict]:
         manifest = str(out / "serve-config.yaml")
         # registry names as they are: the pools resolve them, with the registry's EOS ids
         config = service.serve_config(args.target, args.draft, args.dtype, args.port,
-                                      heads=_heads(args).get("medusa"))
+                                      heads=_heads(args).get("medusa"), draft_quantize=args.draft_quantize)
         Path(manifest).write_text(yaml.safe_dump(config, sort_keys=False))
     url = args.url or f"http://127.0.0.1:{service.manifest_port(manifest)}"
     runs = service.run_service(svc_systems, encoded, manifest=None if args.url else manifest, url=url.rstrip("/"),

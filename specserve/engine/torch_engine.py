@@ -72,7 +72,8 @@ def load_worker(pool_args: dict[str, Any]):
     # The replica owns the model: the projections' own copies go once they are prepacked.
     layout = pool_args.get("linear_layout", "auto")
     return TorchWorker(model, kv_cache_bytes=int(pool_args["kv_cache_memory"]), release_model_weights=True,
-                       cuda_graphs=pool_args.get("cuda_graphs"), linear_layout=None if layout == "auto" else layout)
+                       cuda_graphs=pool_args.get("cuda_graphs"), linear_layout=None if layout == "auto" else layout,
+                       quantize=None if pool_args.get("quantize", "none") == "none" else pool_args["quantize"])
 
 
 def build(pool_args: dict[str, Any], role: str, *, speculation: dict[str, Any] | None = None) -> TorchEngine:
