@@ -101,7 +101,8 @@ class SpeculativeDecoder:
         directory or Hub id."""
         from specserve.loading import load_pair
 
-        pair = load_pair(target, draft, heads=heads, dtype=dtype, device=device, draft_quantize=draft_quantize)
+        pair = load_pair(target, draft, heads=heads, dtype=dtype, device=device, draft_quantize=draft_quantize,
+                         release_model_weights=True)
         return cls(
             pair.verifier(),
             pair.proposer(top_m=draft_top_m, min_confidence=draft_min_confidence),

@@ -113,12 +113,16 @@ class LoadedPair:
 
 
 def load_pair(target: str, draft: str | None = None, *, heads: str | None = None, heads_method: str | None = None,
-              dtype: str = "auto", device: str = "cpu", draft_quantize: str | None = None) -> LoadedPair:
+              dtype: str = "auto", device: str = "cpu", draft_quantize: str | None = None,
+              release_model_weights: bool = False) -> LoadedPair:
     """Load the target (and draft, and heads) into torch workers. A draft that does not share
     the target's vocabulary is refused before any weights are loaded, and so are missing heads
     and heads of another method than `heads_method` (None: whichever the directory holds;
     heads="default" is then Medusa's). draft_quantize: "int8" runs the draft's linears in int8
-    (see TorchWorker; the output stays the target's)."""
+    (see TorchWorker; the output stays the target's). release_model_weights: the workers drop
+    the models' own projection weights once they hold theirs (a float32 target keeps two
+    prepacked layouts: without this it holds its projections three times); the models'
+    own forward then no longer runs (transformers' generate needs it)."""
     from specserve.heads import require_heads
 
     heads_dir = require_heads(target, heads, heads_method) if heads is not None else None
@@ -136,9 +140,10 @@ def load_pair(target: str, draft: str | None = None, *, heads: str | None = None
     draft_worker = None
     if draft is not None:
         draft_model = models.load_causal_lm(draft, dtype=dtype, device=device)
-        draft_worker = TorchWorker(draft_model, vocab_size=vocab, quantize=draft_quantize)
+        draft_worker = TorchWorker(draft_model, vocab_size=vocab, quantize=draft_quantize,
+                                   release_model_weights=release_model_weights)
         max_context = min(max_context, draft_model.config.max_position_embeddings)
-    target_worker = TorchWorker(target_model, vocab_size=vocab)
+    target_worker = TorchWorker(target_model, vocab_size=vocab, release_model_weights=release_model_weights)
     return LoadedPair(
         target_worker,
         draft_worker,

@@ -65,9 +65,11 @@ def test_proposals_are_deterministic_chains_or_trees_and_released():
     assert proposer.cached_requests == 0
 
 
-def ngram_decoder(target, **speculation):
+def ngram_decoder(target, *, min_n: int | None = None, **speculation):
     decoder = make_decoder(target)
     decoder.speculation = Speculation(proposer="ngram", **speculation)
+    if min_n is not None:
+        decoder.ngram = NgramProposer(min_n=min_n, max_n=max(min_n, decoder.ngram.max_n))
     return decoder
 
 
@@ -95,7 +97,8 @@ def test_sampled_ngram_trees_follow_the_target_distribution(params):
     target = tiny_model("qwen2", seed=5, vocab_size=SMALL_VOCAB)
     prompt = [1, 2, 3, 1, 4, 5, 1, 6, 7, 1]
     exact = exact_two_token_distribution(target, prompt, params)
-    decoder = ngram_decoder(target, shape="tree", tree=TreeSpec(budget=8, depth=2, width=3))
+    # single tokens are looked up too (the default starts at 2)
+    decoder = ngram_decoder(target, min_n=1, shape="tree", tree=TreeSpec(budget=8, depth=2, width=3))
     assert_converges(lambda n: empirical_two_token_distribution(decoder, prompt, params, n, seed_base=n), exact)
     stats = decoder.last_report.stats
     assert stats.num_draft_tokens > 0 and sum(stats.num_accepted_tokens_per_rank[1:]) > 0

@@ -35,12 +35,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "speculative": {
         "help": "make bench-speculative: batch 1, HumanEval, each engine's speculative methods at their best: "
-                "specserve's draft chain k=4, prompt lookup k=8 and Medusa and Hydra 4-node trees against vLLM's "
+                "specserve's draft chain k=4, prompt lookup k=4 and Medusa and Hydra 4-node trees against vLLM's "
                 "draft_model, ngram and Medusa k=4 (the same Medusa heads, exported to vLLM's layout), and both "
                 "target-only; each specserve method is compared with vLLM's fastest (make heads heads-hydra first)",
         "modes": ["library"], "workloads": ["code"], "prompts": 8, "max_tokens": 128, "batch_sizes": [1],
         "repeats": 2, "systems": ["specserve *", "vllm *"],
-        "variants": [("none", {}), ("draft", {"k": K}), ("ngram", {"k": 8}),
+        "variants": [("none", {}), ("draft", {"k": K}), ("ngram", {"k": K}),
                      *[(method, {"shape": "tree", "tree": {**MEDUSA_TREE, "budget": 4}}) for method in ("medusa", "hydra")]],
     },
     "batch": {
@@ -82,13 +82,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "methods": {
         "help": "make bench-methods: every proposer at batch 1 in one run, held-out HumanEval and MT-Bench: target-only, "
-                "draft chain k=4 and tree, prompt lookup k=8, Medusa, Hydra and ReDrafter heads (trained with the same "
+                "draft chain k=4 and tree, prompt lookup k=4, Medusa, Hydra and ReDrafter heads (trained with the same "
                 "budget) as 4-node trees (on a 2-core CPU a verify pass of more than ~5 rows costs clearly more "
                 "than one of 1) and as 16-node trees (closer to the papers' trees: accepted length, at a price "
                 "in tokens/s here), and ReDrafter's 4 beams of 4 tokens (16 nodes)",
         "modes": ["library"], "workloads": ["code", "chat"], "prompts": 6, "max_tokens": 96, "batch_sizes": [1],
         "repeats": 2, "systems": ["specserve *"],
-        "variants": [("none", {}), ("draft", {"k": K}), ("tree", {}), ("ngram", {"k": 8}),
+        "variants": [("none", {}), ("draft", {"k": K}), ("tree", {}), ("ngram", {"k": K}),
                      *[(method, {"shape": "tree", "tree": {**MEDUSA_TREE, "budget": 4}})
                        for method in ("medusa", "hydra", "redrafter")],
                      *[(method, {"shape": "tree", "tree": MEDUSA_TREE}) for method in ("medusa", "hydra")],

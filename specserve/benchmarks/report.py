@@ -374,6 +374,9 @@ def _setup(setup: dict) -> list[str]:
     out = [f"- target `{setup['target']}`, draft `{setup.get('draft') or '-'}`, {setup['dtype']}, greedy "
            f"(temperature 0), at most {setup['max_tokens']} new tokens, draft length k = {setup['k']}"
            + (f", preset `{setup['preset']}`" if setup.get("preset") else "")]
+    if setup.get("draft_quantize") == "int8" and setup.get("draft"):
+        out.append("- specserve's draft runs its linears in int8 (`--draft-quantize int8`; the output stays the "
+                   "target's); vLLM's draft_model runs the draft in the dtype above")
     if setup.get("stop_token_ids"):
         out.append(f"- every system stops on token ids {setup['stop_token_ids']}")
     if setup.get("batch_sizes"):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.engine.torch_worker import ForwardItem, TorchWorker
+from specserve.engine.torch_worker import MANY_ROWS, ForwardItem, TorchWorker
 
 
 @torch.inference_mode()
@@ -47,7 +47,7 @@ def generate_states(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     docstring."""
     from tqdm import tqdm
 
-    worker = TorchWorker(model)
+    worker = TorchWorker(model, linear_layout=MANY_ROWS)  # passes of a batch's rows: one layout
     eos = frozenset(eos_token_ids)
     parts = Path(parts_dir) if parts_dir is not None else None
     finished: dict[int, _Continuation] = load_parts(parts) if parts is not None else {}

@@ -336,10 +336,11 @@ def engine_chunks(model, sequences: Sequence[Sequence[int]], seq_len: int):
     """(hidden [n, H], logits [n, V]) of each chunk of `seq_len` positions, in order, on the torch
     engine: a chunk is the token before it plus a chain of the rest, whose nodes the next chunk
     finds cached (a chain's path is kept, as an accepted draft's)."""
-    from specserve.engine.torch_worker import ForwardItem, TorchWorker
+    from specserve.engine.torch_worker import MANY_ROWS, ForwardItem, TorchWorker
     from specserve.protocol import TokenTree
 
-    worker = TorchWorker(model, max_cached_tokens=max(map(len, sequences), default=1) + 64)  # one sequence
+    # one sequence at a time, in chunks of many rows: one weight layout, the many-rows one
+    worker = TorchWorker(model, max_cached_tokens=max(map(len, sequences), default=1) + 64, linear_layout=MANY_ROWS)
     for s, seq in enumerate(sequences):
         request_id = f"hidden-{s}"
         for start in range(0, len(seq), seq_len):
