@@ -79,7 +79,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         args.target, draft=args.draft if spec.proposer in DRAFT_POOL_PROPOSERS else None,
         heads=heads, dtype=args.dtype, device=args.device,
         speculation=spec, draft_min_confidence=args.draft_confidence,
-        draft_quantize=None if args.draft_quantize == "none" else args.draft_quantize)
+        draft_quantize=args.draft_quantize)
     prompts = args.prompt
     if args.chat:  # the template writes the special tokens itself
         tok = decoder.tokenizer

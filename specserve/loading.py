@@ -119,7 +119,7 @@ def load_pair(target: str, draft: str | None = None, *, heads: str | None = None
     the target's vocabulary is refused before any weights are loaded, and so are missing heads
     and heads of another method than `heads_method` (None: whichever the directory holds;
     heads="default" is then Medusa's). draft_quantize: "int8" runs the draft's linears in int8
-    (see TorchWorker; the output stays the target's). release_model_weights: the workers drop
+    (see TorchWorker; the output stays the target's); None or "none" does not. release_model_weights: the workers drop
     the models' own projection weights once they hold theirs (a float32 target keeps two
     prepacked layouts: without this it holds its projections three times); the models'
     own forward then no longer runs (transformers' generate needs it)."""

@@ -283,7 +283,7 @@ def _load_in_process(args, lib_systems, stop_ids, doc, bar) -> library.InProcess
 
     def load():
         pair = load_pair(args.target, args.draft, dtype=args.dtype,
-                         draft_quantize=None if args.draft_quantize == "none" else args.draft_quantize,
+                         draft_quantize=args.draft_quantize,
                          release_model_weights=not any(s.engine == "transformers" for s in lib_systems))
         pair.add_heads(heads.values())
         return pair, SpeculativeDecoder(pair.verifier(), pair.proposer(), tokenizer=pair.tokenizer,

@@ -70,10 +70,9 @@ def load_worker(pool_args: dict[str, Any]):
     set_torch_threads(pool_args.get("torch_threads") or cpus_of_this_replica())
     model = models.load_causal_lm(pool_args["model"], dtype=pool_args["dtype"], device=pool_args["device"])
     # The replica owns the model: the projections' own copies go once they are prepacked.
-    layout = pool_args.get("linear_layout", "auto")
     return TorchWorker(model, kv_cache_bytes=int(pool_args["kv_cache_memory"]), release_model_weights=True,
-                       cuda_graphs=pool_args.get("cuda_graphs"), linear_layout=None if layout == "auto" else layout,
-                       quantize=None if pool_args.get("quantize", "none") == "none" else pool_args["quantize"])
+                       cuda_graphs=pool_args.get("cuda_graphs"), linear_layout=pool_args.get("linear_layout"),
+                       quantize=pool_args.get("quantize"))
 
 
 def build(pool_args: dict[str, Any], role: str, *, speculation: dict[str, Any] | None = None) -> TorchEngine:

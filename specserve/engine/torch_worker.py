@@ -98,7 +98,7 @@ class Linear:
     oneDNN packs for a batch size. The layout packed for one row is the fastest for a lone
     decode step, but in float32 on AVX2 it ran passes of 2-9 rows (a verify, a batched decode)
     about 2x slower than a layout packed for many rows, which costs a lone step 5-20% more
-    (DESIGN.md). `layout`: ONE_ROW, MANY_ROWS (for passes that always have many rows, such
+    (README, "Float32 on an AVX2 CPU"). `layout`: ONE_ROW, MANY_ROWS (for passes that always have many rows, such
     as the heads' shared projection), or BOTH (twice the memory; each pass takes the layout
     for its row count)."""
 
@@ -109,7 +109,6 @@ class Linear:
         self.bias = bias
         self.sizes = sizes or [weight.shape[0]]
         self.packed = pack
-        self.layout = layout
         many = torch.ops.mkldnn._reorder_linear_weight(weight) if pack and layout != ONE_ROW else None
         one = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if pack and layout != MANY_ROWS else None
         self.weight = weight if not pack else one if one is not None else many  # a pass of one row takes this
@@ -380,7 +379,9 @@ class TorchWorker:
         # Rows of the LM head beyond the shared tokenizer vocabulary are never used.
         self.vocab_size = min(vocab_size or model.lm_head.out_features, model.lm_head.out_features)
         self.prepacked = can_prepack(self.device, self.dtype) if prepack is None else prepack
-        self.linear_layout = linear_layout or default_linear_layout(self.dtype)
+        # "auto" and "none" are the pool config's words for the defaults
+        self.linear_layout = default_linear_layout(self.dtype) if linear_layout in (None, "auto") else linear_layout
+        quantize = None if quantize in (None, "none") else quantize
         if quantize is not None and quantize not in QUANTIZATIONS:
             raise SpecserveError(f"unknown quantization {quantize!r}; choose from {', '.join(QUANTIZATIONS)}")
         if quantize is not None and not can_quantize(self.device):
