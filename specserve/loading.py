@@ -140,7 +140,7 @@ def load_pair(target: str, draft: str | None = None, *, heads: str | None = None
     draft_worker = None
     if draft is not None:
         draft_model = models.load_causal_lm(draft, dtype=dtype, device=device)
-        draft_worker = TorchWorker(draft_model, vocab_size=vocab, quantize=draft_quantize,
+        draft_worker = TorchWorker(draft_model, vocab_size=vocab, quantize=draft_quantize, greedy_screen=False,
                                    release_model_weights=release_model_weights)
         max_context = min(max_context, draft_model.config.max_position_embeddings)
     target_worker = TorchWorker(target_model, vocab_size=vocab, release_model_weights=release_model_weights)

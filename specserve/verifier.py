@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.torch_worker import ForwardItem, TorchWorker
+from specserve.engine.torch_worker import ForwardItem, Rows, TorchWorker
 from specserve.proposers import HiddenStateProposer
 from specserve.protocol import SAMPLED, ProposeRequest, SpecserveError, TokenTree, VerifyRequest, VerifyResult
 from specserve.sampling import (
-    LazyTargetProbs, accept_greedy_tree, accept_rejection_tree, accept_typical_tree, densify, generator_for,
+    LazyTargetProbs, accept_rejection_tree, accept_typical_tree, densify, generator_for, walk_greedy_tree,
 )
 
 
@@ -27,7 +27,7 @@ class Verifier:
         if self.heads is None and any(r.propose_next is not None for r in requests):
             raise SpecserveError("this target pool has no heads, so it cannot propose the next round")
         rows = self.worker.run([ForwardItem(r.request_id, r.token_ids, r.draft) for r in requests])
-        results = [self._accept(r, out.logits) for r, out in zip(requests, rows)]
+        results = [self._accept(r, out) for r, out in zip(requests, rows)]
         if self.heads is not None and self.heads.context_window:
             for r, out, result in zip(requests, rows, results):
                 self.heads.observe(r.request_id, len(r.token_ids) - 1, out.hidden[_committed_rows(r.draft, result)])
@@ -40,12 +40,12 @@ class Verifier:
                 results[i].next_proposal = proposal
         return results
 
-    def _accept(self, request: VerifyRequest, logits: torch.Tensor) -> VerifyResult:
+    def _accept(self, request: VerifyRequest, rows: Rows) -> VerifyResult:
         draft = request.draft
         if request.params.greedy:
-            out = accept_greedy_tree(draft, logits)  # chains are one-branch trees
+            out = walk_greedy_tree(draft, rows.argmax())  # chains are one-branch trees
         else:
-            p = LazyTargetProbs(logits, request.params)  # only the rows acceptance visits
+            p = LazyTargetProbs(rows.logits, request.params)  # only the rows acceptance visits
             generator = generator_for(request.seed)
             if request.typical is not None:  # opt-in, LOSSY
                 out = accept_typical_tree(draft, p.dense(), request.typical, generator)

@@ -3,6 +3,7 @@ table rows, valid PNGs, unavailable systems reported with a reason, and a wrong 
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import itertools
 import json
@@ -460,7 +461,7 @@ def test_service_mode_measures_a_running_server_with_url(monkeypatch, tmp_path):
 
 def test_presets_derive_from_a_system_they_run():
     for name, preset in suite.presets.PRESETS.items():
-        names = {s.name for s in systems.all_systems(preset.get("variants"))}
+        names = {s.name for s in systems.all_systems(preset.get("variants"), preset.get("vllm_ks"))}
         if "derive" in preset:
             assert preset["derive"]["from"] in names, name
         for pattern in preset.get("systems") or []:
@@ -577,3 +578,20 @@ def test_vllm_rows_get_the_draft_and_the_medusa_heads_directories(tmp_path):
     without = library.Vllm(draft_dir=None, **common)
     assert "Medusa heads" in without.cannot_run(by_name["vllm medusa k=4"])
     assert without.cannot_run(by_name["vllm ngram k=4"]) is None
+
+
+def test_pass_times_compare_worker_settings_by_row_count():
+    from specserve.benchmarks import passes
+    from specserve.engine.torch_worker import TorchWorker
+
+    assert passes.parse_setting("linear_layout=both,quantize=int8") == {"linear_layout": "both", "quantize": "int8"}
+    with pytest.raises(argparse.ArgumentTypeError):
+        passes.parse_setting("both")
+    worker = TorchWorker(tiny_model(), linear_layout="many_rows")
+    times = passes.pass_times(worker, [1, 3], context=12, repeats=2)
+    assert sorted(times) == [1, 3] and all(len(ts) == 2 and min(ts) > 0 for ts in times.values())
+    assert worker.forward_passes == 1 + 2 * 3  # the context once, then a warm pass and 2 timed per count
+    report = {"rows": [1, 3], "results": [{"setting": {"linear_layout": "one_row"}, "ms": {"1": [3.0, 5.0], "3": [7.0, 9.0, 8.0]}},
+                                          {"setting": {}, "ms": {"1": [2.0], "3": [4.0]}}]}
+    table = passes.markdown(report)
+    assert "| linear_layout=one_row | 4 (3-5) | 8 (7-9) |" in table and "| defaults | 2 (2-2) | 4 (4-4) |" in table

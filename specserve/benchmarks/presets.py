@@ -35,12 +35,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "speculative": {
         "help": "make bench-speculative: batch 1, HumanEval, each engine's speculative methods at their best: "
-                "specserve's draft chain k=4, prompt lookup k=4 and Medusa and Hydra 4-node trees against vLLM's "
-                "draft_model, ngram and Medusa k=4 (the same Medusa heads, exported to vLLM's layout), and both "
+                "specserve's draft chain k=4 and up to 8 with the load-aware policy picking each round's depth, "
+                "prompt lookup k=4 and Medusa and Hydra 4-node trees against vLLM's draft_model at k=4, 6 and 8, "
+                "ngram k=4 and Medusa k=4 (the same Medusa heads, exported to vLLM's layout), and both "
                 "target-only; each specserve method is compared with vLLM's fastest (make heads heads-hydra first)",
         "modes": ["library"], "workloads": ["code"], "prompts": 8, "max_tokens": 128, "batch_sizes": [1],
-        "repeats": 2, "systems": ["specserve *", "vllm *"],
-        "variants": [("none", {}), ("draft", {"k": K}), ("ngram", {"k": K}),
+        "repeats": 2, "systems": ["specserve *", "vllm none", "vllm draft_model *", f"vllm ngram k={K}", "vllm medusa *"],
+        "vllm_ks": [K, 6, 8],
+        "variants": [("none", {}), ("draft", {"k": K}), ("draft", {"k": 8, "policy": "adaptive"}), ("ngram", {"k": K}),
                      *[(method, {"shape": "tree", "tree": {**MEDUSA_TREE, "budget": 4}}) for method in ("medusa", "hydra")]],
     },
     "batch": {

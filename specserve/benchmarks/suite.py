@@ -179,7 +179,7 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
     t0 = time.monotonic()
     preset = presets.PRESETS.get(args.preset or "", {})
     variants = preset.get("variants")
-    lib_systems = selected(systems.all_systems(variants), args.systems) if "library" in args.modes else []
+    lib_systems = selected(systems.all_systems(variants, preset.get("vllm_ks")), args.systems) if "library" in args.modes else []
     svc_systems = selected(systems.specserve_systems(variants), args.systems) if "service" in args.modes else []
     lib_workloads = workloads.load(args.workloads, library.prompts_needed(args.prompts, args.batch_sizes), args.seed)
     svc_prompts = max([args.service_requests, *args.concurrency])

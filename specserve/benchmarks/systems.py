@@ -74,23 +74,27 @@ def transformers_systems() -> list[System]:
 MEDUSA_HEADS = "medusa heads"  # in a vLLM system's options: the Medusa heads' vLLM layout (export-heads)
 
 
-def vllm_systems() -> list[System]:
+def vllm_systems(ks: list[int] | None = None) -> list[System]:
     """Options are vLLM's `speculative_config` ("draft" stands for the draft model's directory,
     MEDUSA_HEADS for specserve's Medusa heads exported to vLLM's layout: the same heads as the
-    `specserve medusa` rows, each head's top-1 as a chain, vLLM's only Medusa shape)."""
-    return [
-        System("vllm none", "vllm", "none"),
-        System(f"vllm draft_model k={K}", "vllm", "draft_model",
-               {"method": "draft_model", "model": "draft", "num_speculative_tokens": K}, needs_draft=True),
-        System(f"vllm ngram k={K}", "vllm", "ngram",
-               {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 5}),
-        System(f"vllm medusa k={K}", "vllm", "medusa",
-               {"method": "medusa", "model": MEDUSA_HEADS, "num_speculative_tokens": K}),
-    ]
+    `specserve medusa` rows, each head's top-1 as a chain, vLLM's only Medusa shape). `ks`: the
+    numbers of speculative tokens to run draft_model and ngram at (default K; a preset that gives
+    specserve a deeper or adaptive depth gives vLLM the same depths, so each runs at its best)."""
+    chains = []
+    for k in ks or [K]:
+        chains += [
+            System(f"vllm draft_model k={k}", "vllm", "draft_model",
+                   {"method": "draft_model", "model": "draft", "num_speculative_tokens": k}, needs_draft=True),
+            System(f"vllm ngram k={k}", "vllm", "ngram",
+                   {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}),
+        ]
+    return [System("vllm none", "vllm", "none"), *chains,
+            System(f"vllm medusa k={K}", "vllm", "medusa",
+                   {"method": "medusa", "model": MEDUSA_HEADS, "num_speculative_tokens": K})]
 
 
-def all_systems(variants: list[tuple[str, dict[str, Any]]] | None = None) -> list[System]:
-    return specserve_systems(variants) + transformers_systems() + vllm_systems()
+def all_systems(variants: list[tuple[str, dict[str, Any]]] | None = None, vllm_ks: list[int] | None = None) -> list[System]:
+    return specserve_systems(variants) + transformers_systems() + vllm_systems(vllm_ks)
 
 
 # --------------------------------------------------------------------------- results

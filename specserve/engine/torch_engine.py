@@ -61,8 +61,9 @@ def cpus_of_this_replica() -> int:
     return max(1, int(round(cpus)))
 
 
-def load_worker(pool_args: dict[str, Any]):
-    """Load the model of a pool into a torch worker."""
+def load_worker(pool_args: dict[str, Any], role: str = "target"):
+    """Load the model of a pool into a torch worker (a draft's has no greedy screen: its
+    proposals read its logits as probabilities)."""
     from specserve import models
     from specserve.engine.torch_worker import TorchWorker
     from specserve.loading import set_torch_threads
@@ -72,12 +73,12 @@ def load_worker(pool_args: dict[str, Any]):
     # The replica owns the model: the projections' own copies go once they are prepacked.
     return TorchWorker(model, kv_cache_bytes=int(pool_args["kv_cache_memory"]), release_model_weights=True,
                        cuda_graphs=pool_args.get("cuda_graphs"), linear_layout=pool_args.get("linear_layout"),
-                       quantize=pool_args.get("quantize"))
+                       quantize=pool_args.get("quantize"), greedy_screen=None if role == "target" else False)
 
 
 def build(pool_args: dict[str, Any], role: str, *, speculation: dict[str, Any] | None = None) -> TorchEngine:
     """A torch engine for a pool of `role` ("target", or "draft" with the speculation's settings)."""
-    return TorchEngine(load_worker(pool_args), pool_args, role, speculation=speculation)
+    return TorchEngine(load_worker(pool_args, role), pool_args, role, speculation=speculation)
 
 
 class TorchEngine:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import record_function
 
+from specserve.engine.greedy_screen import GreedyScreen, linear_dynamic, prepack, quantize_rows
 from specserve.protocol import SpecserveError, TokenTree
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -75,18 +76,70 @@ class ForwardItem:
     logits_from: int | None = None
 
 
-@dataclass
 class Rows:
     """What a forward pass returns for one item: the rows `ForwardItem` describes.
 
     logits: [rows, V] where the model ran (device and dtype), truncated to the usable
-    vocabulary: greedy acceptance takes the argmax there, sampling converts only the rows it
-    visits. hidden: [rows, hidden] the model's last hidden state (after its final norm, what
-    the lm_head reads and what Medusa-style heads read).
+    vocabulary: sampling converts only the rows it visits. hidden: [rows, hidden] the model's
+    last hidden state (after its final norm, what the lm_head reads and what Medusa-style heads
+    read). argmax(): each row's greedy token, what greedy acceptance reads.
+
+    A worker with a greedy screen computes its output layer when first asked, for every row
+    of the pass at once: argmax() through the screen (the float32 argmax, for a fraction of
+    the bytes), logits in full. Either way the values are the same as computing them eagerly.
     """
 
-    logits: torch.Tensor
-    hidden: torch.Tensor
+    __slots__ = ("hidden", "_logits", "_output", "_span")
+
+    def __init__(self, logits: torch.Tensor | None, hidden: torch.Tensor,
+                 output: PassOutput | None = None, span: slice | None = None):
+        if logits is None and output is None:
+            raise SpecserveError("rows need logits or the pass output that computes them")
+        self.hidden = hidden
+        self._logits = logits
+        self._output = output
+        self._span = span
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = self._output.logits()[self._span]
+        return self._logits
+
+    def argmax(self) -> list[int]:
+        if self._logits is None:
+            return self._output.argmax()[self._span]
+        return self.logits.argmax(-1).tolist()
+
+
+class PassOutput:
+    """One pass's output layer, computed on first use for all of the pass's rows (one batched
+    matmul, as an eager pass would): full logits, or greedy tokens through the screen."""
+
+    def __init__(self, hidden: torch.Tensor, output: Linear | Int8Linear, screen: GreedyScreen):
+        self.hidden = hidden
+        self.output = output
+        self.screen = screen
+        self._logits: torch.Tensor | None = None
+        self._argmax: list[int] | None = None
+
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            with torch.inference_mode(), record_function("specserve::output_layer"):
+                self._logits = self.output(self.hidden)
+        return self._logits
+
+    def argmax(self) -> list[int]:
+        if self._argmax is None:
+            if self._logits is not None:
+                self._argmax = self._logits.argmax(-1).tolist()
+            else:
+                with torch.inference_mode(), record_function("specserve::output_layer"):
+                    self._argmax = self.screen.argmax(self.hidden, full_rows=self._full_rows)
+        return self._argmax
+
+    def _full_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.output(self.hidden.index_select(0, rows))
 
 
 class Linear:
@@ -147,23 +200,14 @@ class Int8Linear:
     it changes the logits. Same interface as Linear."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, sizes: list[int] | None = None):
-        import warnings
-
         self.sizes = sizes or [weight.shape[0]]
         self.packed = True
         self.dtype = weight.dtype
-        weight = weight.float()
-        scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)
-        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():  # quantized tensors are deprecated; their kernels are what we use
-            warnings.simplefilter("ignore")
-            qweight = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
-            self.weight = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.float())
+        self.weight = prepack(quantize_rows(weight), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        # reduce_range: 7-bit activations, so AVX2's 16-bit pairwise sums cannot saturate
-        out = torch.ops.quantized.linear_dynamic(flat.float(), self.weight, True).to(self.dtype)
+        out = linear_dynamic(flat.float(), self.weight).to(self.dtype)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -354,11 +398,15 @@ class TorchWorker:
     the projections (the model's forward can no longer be used; the embedding, norms and
     lm_head stay, heads read them). cuda_graphs: run decode and chain-verify passes of up to 16
     requests as static-shape passes replayed as CUDA graphs (specserve.engine.cuda_graphs);
-    default: on CUDA devices (CUDA_GRAPHS_BY_DEFAULT), never on CPU."""
+    default: on CUDA devices (CUDA_GRAPHS_BY_DEFAULT), never on CPU. greedy_screen: greedy
+    tokens (`Rows.argmax`) through an int8 screen of the output layer, proven equal to the
+    float32 argmax (specserve.engine.greedy_screen); default: float32 workers on CPU that do
+    not quantize (a draft's logits are its proposals' probabilities)."""
 
     def __init__(self, model, *, kv_cache_bytes: int | None = None, max_cached_tokens: int | None = None,
                  vocab_size: int | None = None, prepack: bool | None = None, linear_layout: str | None = None,
-                 quantize: str | None = None, release_model_weights: bool = False, cuda_graphs: bool | None = None):
+                 quantize: str | None = None, release_model_weights: bool = False, cuda_graphs: bool | None = None,
+                 greedy_screen: bool | None = None):
         config = model.config
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -391,6 +439,15 @@ class TorchWorker:
         self.layers = [self._layer(layer) for layer in self.body.layers]
         self.output = Linear.fused([model.lm_head], pack=self.prepacked, rows=self.vocab_size,
                                    layout=self.linear_layout, quantize=quantize)
+        if greedy_screen is None:  # where int8 kernels run and the logits are float32 (not a draft's int8)
+            greedy_screen = quantize is None and self.dtype == torch.float32 and can_quantize(self.device)
+        if greedy_screen and not can_quantize(self.device):
+            raise SpecserveError(f"greedy_screen runs on CPU with PyTorch's x86 quantized engine, not on {self.device}")
+        self.greedy_screen = None
+        if greedy_screen:
+            head = model.lm_head
+            self.greedy_screen = GreedyScreen(head.weight.detach()[: self.vocab_size].float(),
+                                              None if head.bias is None else head.bias.detach()[: self.vocab_size])
         if release_model_weights:
             self._release_model_weights()
         layers = len(self.layers)
@@ -655,10 +712,14 @@ class TorchWorker:
             return []
         rows = torch.cat([torch.arange(a, b, device=device) for a, b in wanted])
         hidden = self.body.norm(h.index_select(0, rows))
+        counts = [b - a for a, b in wanted]
+        spans = [slice(a, b) for a, b in zip(np.cumsum([0] + counts[:-1]).tolist(), np.cumsum(counts).tolist())]
+        if self.greedy_screen is not None:  # the output layer when the rows are read (Rows)
+            output = PassOutput(hidden, self.output, self.greedy_screen)
+            return [Rows(None, hidden[span], output, span) for span in spans]
         with record_function("specserve::output_layer"):
             logits = self.output(hidden)
-        counts = [b - a for a, b in wanted]
-        return [Rows(lg, hd) for lg, hd in zip(logits.split(counts), hidden.split(counts))]
+        return [Rows(logits[span], hidden[span]) for span in spans]
 
     def _rotary(self, h: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own rotary tables for positions [0, length), [length, D], computed once

@@ -69,7 +69,7 @@ def generate_states(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
                 rows = worker.run([ForwardItem(c.request_id, c.sequence) for c in live.values()])
                 for (index, seq), r in zip(list(live.items()), rows):
                     # a copy of the row: a view would keep the whole pass's hidden states alive
-                    token = seq.append(int(r.logits[0].argmax()), r.hidden[0].cpu().clone())
+                    token = seq.append(r.argmax()[0], r.hidden[0].cpu().clone())
                     generated += 1
                     if token in eos or len(seq.outputs) >= max_new_tokens:
                         finished[index] = live.pop(index)

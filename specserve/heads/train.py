@@ -340,7 +340,8 @@ def engine_chunks(model, sequences: Sequence[Sequence[int]], seq_len: int):
     from specserve.protocol import TokenTree
 
     # one sequence at a time, in chunks of many rows: one weight layout, the many-rows one
-    worker = TorchWorker(model, max_cached_tokens=max(map(len, sequences), default=1) + 64, linear_layout=MANY_ROWS)
+    worker = TorchWorker(model, max_cached_tokens=max(map(len, sequences), default=1) + 64, linear_layout=MANY_ROWS,
+                         greedy_screen=False)  # distillation reads whole rows
     for s, seq in enumerate(sequences):
         request_id = f"hidden-{s}"
         for start in range(0, len(seq), seq_len):
