@@ -293,3 +293,19 @@ def test_only_a_cpu_torch_draft_pool_may_be_quantized():
         AppArgs.model_validate({**args, "draft": {**args["draft"], "device": "cuda"}})
     with pytest.raises(ValidationError, match="quantize"):
         AppArgs.model_validate({**args, "draft": {**args["draft"], "quantize": "int4"}})
+
+
+def test_the_greedy_screen_is_a_cpu_target_pools_and_reaches_its_worker(tmp_path):
+    from conftest import tiny_model
+    from specserve.engine.torch_engine import load_worker
+    from specserve.serve.config import PoolArgs
+
+    tiny_model("qwen2", seed=0).save_pretrained(tmp_path)
+    assert load_worker(PoolArgs(model=str(tmp_path), dtype="float32").model_dump()).greedy_screen is not None  # default
+    assert load_worker(PoolArgs(model=str(tmp_path), dtype="float32", greedy_screen=False).model_dump()).greedy_screen is None
+    assert load_worker(PoolArgs(model=str(tmp_path), dtype="float32").model_dump(), "draft").greedy_screen is None
+    args = yaml.safe_load(next(m for m in MANIFESTS if m.name == "local.yaml").read_text())["applications"][0]["args"]
+    with pytest.raises(ValidationError, match="draft.greedy_screen"):
+        AppArgs.model_validate({**args, "draft": {**args["draft"], "greedy_screen": True}})
+    with pytest.raises(ValidationError, match="greedy_screen is the torch engine's on CPU"):
+        AppArgs.model_validate({**args, "target": {**args["target"], "device": "cuda", "greedy_screen": True}})

@@ -7,8 +7,8 @@
     python -m specserve.benchmarks.passes --rows 1 5 --settings greedy_screen=false greedy_screen=true
 
 A pass of n rows is what a greedy verify of n-1 drafted tokens costs (a chain under the
-request's last token, every row's greedy token read), over `--context` cached tokens; n=1 is a
-lone decode step. Each setting gets its own worker on a freshly loaded model, and the settings take turns,
+request's last token, every row's greedy token read), over `--context` cached tokens of
+HumanEval prompts (the draft: the text's next tokens); n=1 is a lone decode step. Each setting gets its own worker on a freshly loaded model, and the settings take turns,
 A B .. A B, for `--passes` passes (one worker at a time: a float32 1.5B target with both
 layouts holds 12 GB), so drift on a noisy machine lands on every setting alike. Prints the
 median milliseconds per pass and the range over passes, per setting and row count.
@@ -37,30 +37,49 @@ def parse_setting(text: str) -> dict[str, str]:
     return setting
 
 
-def pass_times(worker, rows: list[int], *, context: int, repeats: int, seed: int = 0) -> dict[int, list[float]]:
-    """Seconds of each of `repeats` passes of each row count, after one warm pass each."""
+def pass_times(worker, rows: list[int], *, context: int, repeats: int, text: list[int] | None = None,
+               seed: int = 0) -> dict[int, list[float]]:
+    """Seconds of each of `repeats` passes of each row count, after one warm pass each. `text`:
+    token ids to read the context and the drafts from (real text: hidden states of random ids
+    are unlike a model's, which matters to the greedy screen); default random ids."""
     import torch
 
     from specserve.engine.torch_worker import ForwardItem
     from specserve.protocol import TokenTree
 
-    gen = torch.Generator().manual_seed(seed)
     vocab = worker.vocab_size
-    prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
+    need = context + repeats + max(rows) + 1
+    if text is None or len(text) < need:
+        gen = torch.Generator().manual_seed(seed)
+        text = torch.randint(0, vocab, (need,), generator=gen).tolist()
+    prompt = text[:context]
     worker.forward([ForwardItem("r", prompt)])
     times: dict[int, list[float]] = {}
     for n in rows:
         times[n] = []
         for i in range(repeats + 1):
             # a new last token each pass: the cached context is reused, the n rows are computed
-            last = (i * 7919 + n) % vocab
-            draft = TokenTree.chain([(last + j + 1) % vocab for j in range(n - 1)])
+            tail = text[context + i: context + i + n]
             start = time.perf_counter()
-            [rows] = worker.run([ForwardItem("r", prompt + [last], draft)])
-            rows.argmax()  # what a greedy verify reads
+            [out] = worker.run([ForwardItem("r", prompt + tail[:1], TokenTree.chain(tail[1:]))])
+            out.argmax()  # what a greedy verify reads
             if i:  # the first pass of each count warms it
                 times[n].append(time.perf_counter() - start)
     return times
+
+
+def code_text(model_ref: str, tokens: int) -> list[int]:
+    """HumanEval prompts, one after another, as `model_ref`'s token ids (at least `tokens`)."""
+    from specserve import models
+    from specserve.benchmarks import workloads
+
+    tokenizer = models.load_tokenizer(model_ref)
+    ids: list[int] = []
+    count = 16
+    while len(ids) < tokens and count <= 164:
+        ids = [t for prompt in workloads.load(["code"], count)[0].encode(tokenizer) for t in prompt]
+        count *= 2
+    return ids
 
 
 def measure(model_ref: str, settings: list[dict[str, str]], rows: list[int], *, context: int, repeats: int,
@@ -70,12 +89,13 @@ def measure(model_ref: str, settings: list[dict[str, str]], rows: list[int], *, 
     from specserve.loading import set_torch_threads
 
     set_torch_threads()
+    text = code_text(model_ref, context + repeats + max(rows) + 1)
     seconds = [{n: [] for n in rows} for _ in settings]
     for p in range(passes):
         for s, setting in enumerate(settings):
             model = models.load_causal_lm(model_ref, dtype=dtype)
             worker = TorchWorker(model, release_model_weights=True, **setting)
-            for n, ts in pass_times(worker, rows, context=context, repeats=repeats).items():
+            for n, ts in pass_times(worker, rows, context=context, repeats=repeats, text=text).items():
                 seconds[s][n] += ts
             progress(f"pass {p + 1}/{passes} {label(setting)}: "
                      + ", ".join(f"{n} rows {1e3 * statistics.median(seconds[s][n]):.0f} ms" for n in rows))

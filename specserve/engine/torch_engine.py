@@ -73,7 +73,7 @@ def load_worker(pool_args: dict[str, Any], role: str = "target"):
     # The replica owns the model: the projections' own copies go once they are prepacked.
     return TorchWorker(model, kv_cache_bytes=int(pool_args["kv_cache_memory"]), release_model_weights=True,
                        cuda_graphs=pool_args.get("cuda_graphs"), linear_layout=pool_args.get("linear_layout"),
-                       quantize=pool_args.get("quantize"), greedy_screen=None if role == "target" else False)
+                       quantize=pool_args.get("quantize"), greedy_screen=pool_args.get("greedy_screen") if role == "target" else False)
 
 
 def build(pool_args: dict[str, Any], role: str, *, speculation: dict[str, Any] | None = None) -> TorchEngine:
