@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_model
 from specserve.engine import greedy_screen as gs
 from specserve.engine.torch_worker import ForwardItem, TorchWorker, can_quantize
-from specserve.protocol import TokenTree
+from specserve.protocol import SpecserveError, TokenTree
 
 pytestmark = pytest.mark.skipif(not can_quantize(torch.device("cpu")), reason="needs PyTorch's x86 int8 kernels")
 
@@ -79,3 +79,7 @@ def test_the_screen_is_on_by_default_only_where_it_pays():
     assert TorchWorker(model).greedy_screen is not None  # float32 on CPU
     assert TorchWorker(model, quantize="int8").greedy_screen is None  # a draft: its logits are probabilities
     assert TorchWorker(tiny_model(seed=3, vocab_size=97).to(torch.bfloat16)).greedy_screen is None
+    with pytest.raises(SpecserveError, match="float32"):
+        TorchWorker(tiny_model(seed=3, vocab_size=97).to(torch.bfloat16), greedy_screen=True)
+    with pytest.raises(SpecserveError, match="float32"):
+        TorchWorker(model, quantize="int8", greedy_screen=True)

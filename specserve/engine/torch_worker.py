@@ -443,6 +443,9 @@ class TorchWorker:
             greedy_screen = quantize is None and self.dtype == torch.float32 and can_quantize(self.device)
         if greedy_screen and not can_quantize(self.device):
             raise SpecserveError(f"greedy_screen runs on CPU with PyTorch's x86 quantized engine, not on {self.device}")
+        if greedy_screen and (self.dtype != torch.float32 or quantize is not None):
+            raise SpecserveError("greedy_screen proves the float32 argmax: it needs a float32 worker that does not "
+                                 f"quantize (this one: {self.dtype}, quantize {quantize})")
         self.greedy_screen = None
         if greedy_screen:
             head = model.lm_head
