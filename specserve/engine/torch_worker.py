@@ -116,7 +116,7 @@ class PassOutput:
     """One pass's output layer, computed on first use for all of the pass's rows (one batched
     matmul, as an eager pass would): full logits, or greedy tokens through the screen."""
 
-    def __init__(self, hidden: torch.Tensor, output: Linear | Int8Linear, screen: GreedyScreen):
+    def __init__(self, hidden: torch.Tensor, output: Linear, screen: GreedyScreen):
         self.hidden = hidden
         self.output = output
         self.screen = screen
@@ -449,7 +449,7 @@ class TorchWorker:
         self.greedy_screen = None
         if greedy_screen:
             head = model.lm_head
-            self.greedy_screen = GreedyScreen(head.weight.detach()[: self.vocab_size].float(),
+            self.greedy_screen = GreedyScreen(head.weight.detach()[: self.vocab_size],  # float32, checked above
                                               None if head.bias is None else head.bias.detach()[: self.vocab_size])
         if release_model_weights:
             self._release_model_weights()
