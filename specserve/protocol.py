@@ -13,6 +13,7 @@ import numpy as np
 
 MAX_K = 64  # longest draft chain / deepest tree accepted anywhere
 MAX_TREE_NODES = 256  # largest draft tree accepted anywhere
+MAX_PIPELINE = 16  # most verifies at once on one streamed draft (speculation.pipeline)
 
 # Speculation = proposer x shape. Proposers: where draft tokens come from.
 PROPOSERS = ("none", "draft", "medusa", "hydra", "redrafter", "ngram", "native")
@@ -274,8 +275,13 @@ class Speculation:
     acceptance: str = "exact"
     typical: TypicalAcceptance = field(default_factory=TypicalAcceptance)
     policy: str = "fixed"
+    # Greedy draft-pool chains: verifies at once on one streamed draft (specserve.pipeline); 0: off
+    pipeline: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.pipeline <= MAX_PIPELINE:
+            raise SpecserveError(f"pipeline (verifies at once on a streamed draft) must be in [0, {MAX_PIPELINE}], "
+                                 f"got {self.pipeline}")
         if self.policy not in POLICIES:
             raise SpecserveError(f"unknown speculation policy {self.policy!r}; choose fixed (draft k / the "
                                  "tree's depth every round) or adaptive (load-aware, 0..k per round)")
@@ -325,18 +331,20 @@ class Speculation:
 
     def overridden(self, *, method: str | None = None, proposer: str | None = None, shape: str | None = None,
                    k: int | None = None, tree: TreeSpec | None = None, acceptance: str | None = None,
-                   typical: dict | None = None, policy: str | None = None) -> Speculation:
+                   typical: dict | None = None, policy: str | None = None,
+                   pipeline: int | None = None) -> Speculation:
         """This speculation with some settings replaced (a request's override, a CLI flag).
         `method` is the older spelling of proposer + shape (see `from_method`). `typical` is
         partial: unset fields keep these ones. An explicit proposer, shape, k or tree wins over
-        the load-aware policy: it makes the policy `fixed` unless `policy` is given too."""
+        the load-aware policy: it makes the policy `fixed` unless `policy` is given too; so does a
+        pipeline (its chunks are k tokens each)."""
         if method is not None:
             proposer, shape = from_method(method, proposer, shape)
-        if policy is None and any(v is not None for v in (proposer, shape, k, tree)):
+        if policy is None and (any(v is not None for v in (proposer, shape, k, tree)) or pipeline):
             policy = "fixed"
         changes = {name: value for name, value in (("proposer", proposer), ("shape", shape), ("k", k),
                                                    ("tree", tree), ("acceptance", acceptance),
-                                                   ("policy", policy)) if value is not None}
+                                                   ("policy", policy), ("pipeline", pipeline)) if value is not None}
         if typical:
             changes["typical"] = replace(self.typical, **typical)
         return replace(self, **changes) if changes else self

@@ -44,6 +44,9 @@ class SpecStats:
     # those a round used (its chain and bonus token were what the draft ahead assumed).
     drafts_ahead: int = 0
     drafts_ahead_used: int = 0
+    # Serving with speculation.pipeline: the draft streams started (one, then one after each
+    # rejected token or each stream that ended).
+    draft_streams: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -63,6 +66,7 @@ class SpecStats:
         self.round_trip_overhead_s += other.round_trip_overhead_s
         self.drafts_ahead += other.drafts_ahead
         self.drafts_ahead_used += other.drafts_ahead_used
+        self.draft_streams += other.draft_streams
         for reason, rounds in other.policy_decisions.items():
             self.policy_decisions[reason] = self.policy_decisions.get(reason, 0) + rounds
         for mine, theirs in ((self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos),
@@ -90,6 +94,7 @@ class SpecStats:
                 1000 * self.round_trip_overhead_s / self.target_steps if self.target_steps else 0.0, 3),
             "drafts_ahead": self.drafts_ahead,
             "drafts_ahead_used": self.drafts_ahead_used,
+            "draft_streams": self.draft_streams,
         }
 
 

@@ -105,6 +105,23 @@ def test_per_request_speculation_override(client, reference):
     assert r.usage.model_extra["speculation"]["num_draft_tokens"] == 0
 
 
+def test_pipelined_requests_equal_the_target_alone(client, reference):
+    """speculation.pipeline per request: the draft pool streams its greedy draft (a Serve
+    streaming call; the torch engine drafts it 4 tokens a call) and the router verifies up to 3
+    chunks at once; a rejected token starts a new stream. Streaming and not."""
+    tokenizer, _, greedy_text, _ = reference
+    for prompt in PROMPTS[:2]:
+        expected = greedy_text(tokenizer.encode(prompt), 48)
+        r = client.completions.create(model="smol", prompt=prompt, max_tokens=48, temperature=0,
+                                      extra_body={"speculation": {"pipeline": 3}})
+        assert r.choices[0].text == expected
+        spec = r.usage.model_extra["speculation"]
+        assert spec["draft_streams"] >= 1 and spec["num_accepted_tokens"] > 0 and spec["policy"] == "fixed"
+        stream = client.completions.create(model="smol", prompt=prompt, max_tokens=48, temperature=0, stream=True,
+                                           extra_body={"speculation": {"pipeline": 3}})
+        assert "".join(c.choices[0].text for c in stream) == expected
+
+
 def test_tree_speculation_per_request_equals_the_target_alone(client, reference):
     """method "tree" through the router and the pools, streaming and not, with the
     deployment's tree settings and with a request's own (a static shape)."""

@@ -257,6 +257,35 @@ def test_a_vllm_draft_and_a_vllm_target_decode_greedy_exactly(vllm_engine, vllm_
 
 
 @pytest.mark.vllm
+def test_a_vllm_draft_streams_its_greedy_continuation_from_one_running_request(vllm_engine, vllm_draft):
+    """speculation.pipeline's draft: the draft's own greedy decoding, in pieces as its steps
+    make them, and closing the stream stops it."""
+    from specserve.engine.vllm_engine import greedy_reference
+    from specserve.protocol import ProposeRequest
+
+    prompt = [504, 3458, 282, 4649, 314, 253, 1378, 28, 1669]
+    reference = run(greedy_reference(vllm_draft, prompt, 16))
+
+    async def pieces(stop_after: int | None = None) -> list[list[int]]:
+        out, stream = [], vllm_draft.propose_stream(ProposeRequest("stream", prompt, 16, SamplingParams(), 0))
+        async for proposal in stream:
+            out.append(list(proposal.tree.tokens))
+            if stop_after is not None and len(out) == stop_after:
+                await stream.aclose()
+                break
+        return out
+
+    streamed = run(pieces())
+    assert sum(streamed, []) == reference and len(streamed) > 1
+    assert len(run(pieces(stop_after=1))) == 1 and vllm_draft.in_flight == 0
+    with pytest.raises(SpecserveError, match="greedy"):
+        run(vllm_draft.propose_stream(ProposeRequest("stream", prompt, 4, SamplingParams(temperature=0.8, top_k=5),
+                                                     0)).__anext__())
+    with pytest.raises(SpecserveError, match="does not propose|verifies"):
+        run(vllm_engine.propose_stream(ProposeRequest("stream", prompt, 4, SamplingParams(), 0)).__anext__())
+
+
+@pytest.mark.vllm
 def test_a_vllm_draft_sends_the_processed_distribution_it_sampled_from(vllm_draft):
     """Sampled with top_k <= 20, a vLLM draft's tokens come with the distribution they were drawn
     from: transformers' full-vocabulary distribution after temperature, top-k and top-p."""

@@ -13,6 +13,9 @@ max_tokens, EOS ignored (every system generates every token asked for):
 - `vllm native k=4`: `vllm serve --speculative-config` (draft_model, 4 tokens);
 - `specserve vllm pools k=4`: specserve's router with a target pool and a draft pool, both
   `engine: vllm` (separate pools: each round a propose call and a verify call);
+- `specserve vllm pools k=4 pipeline`: the same pools, the draft streaming its greedy draft as one
+  running vLLM request and the router verifying it 4 tokens at a time, up to 4 verifies at once
+  (`speculation.pipeline`);
 - `specserve native k=4`: specserve's router over one `engine: vllm` target pool running vLLM's
   own speculative decoding (`speculation.proposer: native`).
 
@@ -47,6 +50,7 @@ import yaml
 from specserve.serve.policy_trace import TRACE_ENV
 
 K = 4
+PIPELINE = 4  # verifies at once on the pipelined pools' streamed draft
 MODEL_NAME = "bench"
 VLLM_PORTS = {"vllm none": 8101, "vllm native k=4": 8102}
 SERVE_PORT = 8000
@@ -55,9 +59,10 @@ SERVER_GPU_SHARE = 0.2  # of the GPU's memory, per `vllm serve` (specserve's eng
 POOL_GPU_SHARE = 0.14  # Ray's GPU share per specserve pool: seven pools on the one GPU
 SPECSERVE_ROUTES = {"specserve vllm pools k=4": "/pools", "specserve vllm pools k=4 draft ahead": "/aheadpools",
                     "specserve vllm pools k=4 draft ahead default calls": "/aheadslow",
-                    "specserve native k=4": "/native"}
+                    "specserve vllm pools k=4 pipeline": "/pipeline", "specserve native k=4": "/native"}
 SYSTEMS = ("vllm none", "vllm native k=4", "specserve vllm pools k=4", "specserve vllm pools k=4 draft ahead",
-           "specserve vllm pools k=4 draft ahead default calls", "specserve native k=4")
+           "specserve vllm pools k=4 draft ahead default calls", "specserve vllm pools k=4 pipeline",
+           "specserve native k=4")
 PROMPTS = (
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "Write a Python function that checks whether a string is a palindrome.\n",
@@ -137,6 +142,9 @@ def specserve_config(args) -> dict:
             "specserve vllm pools k=4 draft ahead": ahead_app,
             "specserve vllm pools k=4 draft ahead default calls": ahead_app | {
                 "fast_replica_calls": False, "router": router("specserve vllm pools k=4 draft ahead default calls")},
+            "specserve vllm pools k=4 pipeline": pools_app | {
+                "speculation": pools_app["speculation"] | {"pipeline": PIPELINE},
+                "router": router("specserve vllm pools k=4 pipeline")},
             "specserve native k=4": native_app}
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": SERVE_PORT},
             "applications": [{"name": SPECSERVE_ROUTES[system].strip("/"), "route_prefix": SPECSERVE_ROUTES[system],

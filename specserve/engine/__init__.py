@@ -4,6 +4,7 @@
     engine.info()                             # EngineInfo: context, EOS ids, vocabulary, capabilities
     await engine.verify(VerifyRequest(...))   # target pools
     await engine.propose(ProposeRequest(...)) # draft pools, where the engine can propose
+    engine.propose_stream(ProposeRequest(...))  # draft pools: a greedy draft as it is made
     await engine.release(request_id)
 
 - `torch` (specserve.engine.torch_engine): specserve's own engine; every method works there.
@@ -69,6 +70,11 @@ class Engine(Protocol):
 
     async def propose(self, request: ProposeRequest) -> Proposal: ...
 
+    # The draft's greedy continuation, up to request.k tokens, in pieces as they are made
+    # (speculation.pipeline); closing the stream stops it. chunked_propose_stream serves an
+    # engine that drafts only round by round.
+    def propose_stream(self, request: ProposeRequest) -> AsyncIterator[Proposal]: ...
+
     async def release(self, request_id: str) -> bool: ...
 
     async def stats(self) -> dict: ...
@@ -76,6 +82,25 @@ class Engine(Protocol):
     def load(self) -> PoolLoad: ...
 
     async def check_health(self) -> None: ...
+
+
+STREAM_CHUNK = 4  # draft tokens per propose call of chunked_propose_stream
+
+
+async def chunked_propose_stream(engine: Engine, request: ProposeRequest,
+                                 chunk: int = STREAM_CHUNK) -> AsyncIterator[Proposal]:
+    """propose_stream from propose calls of `chunk` tokens each, every call continuing after
+    the tokens already streamed. Greedy only: a stream is the draft's greedy continuation."""
+    if not request.params.greedy:
+        raise SpecserveError("a streamed draft is greedy: sampled requests draft round by round")
+    ids, left = list(request.token_ids), request.k
+    while left > 0:
+        proposal = await engine.propose(replace(request, token_ids=ids, k=min(chunk, left), tree=None))
+        if not len(proposal.tree):
+            return
+        yield proposal
+        ids += proposal.tree.tokens
+        left -= len(proposal.tree)
 
 
 def engine_installed(name: str) -> bool:

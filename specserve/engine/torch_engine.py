@@ -14,9 +14,10 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from typing import Any
 
-from specserve.engine import EngineInfo, vocabulary_fingerprint
+from specserve.engine import EngineInfo, chunked_propose_stream, vocabulary_fingerprint
 from specserve.protocol import PoolLoad, Proposal, ProposeRequest, SpecserveError, VerifyRequest, VerifyResult
 from specserve.serve.batching import RUN_AGAIN, ContinuousBatcher
 
@@ -160,6 +161,9 @@ class TorchEngine:
         if self.proposer is None:
             raise SpecserveError("this pool verifies; it does not propose")
         return await self.batcher.submit(request)
+
+    def propose_stream(self, request: ProposeRequest) -> AsyncIterator[Proposal]:
+        return chunked_propose_stream(self, request)
 
     async def release(self, request_id: str) -> bool:
         self.batcher.forget(request_id)

@@ -402,6 +402,38 @@ class VllmEngine:
         return Proposal(request.request_id, TokenTree.chain(tokens), SAMPLED if sampled else DETERMINISTIC, dists,
                         compute_s=seconds, load=self._load)
 
+    async def propose_stream(self, request: ProposeRequest) -> AsyncIterator[Proposal]:
+        """The draft's greedy continuation of request.token_ids, up to request.k tokens, as one
+        running vLLM request whose tokens stream out as its decode steps make them
+        (`speculation.pipeline`): each draft token costs a decode step, not a new request's
+        prefill and scheduling. Greedy only (the router streams greedy chains); closing the
+        stream aborts the vLLM request."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if self.role != "draft":
+            raise SpecserveError("this pool verifies; it does not propose")
+        if not request.params.greedy:
+            raise SpecserveError("a streamed draft is greedy: sampled requests draft round by round")
+        params = SamplingParams(max_tokens=max(1, request.k), temperature=0.0, ignore_eos=True, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+        self.in_flight += 1
+        try:
+            last = time.perf_counter()
+            async for out in self.llm.generate({"prompt_token_ids": list(request.token_ids)}, params,
+                                               f"{request.request_id}-stream-{next(self._calls)}"):
+                tokens = list(out.outputs[0].token_ids)
+                if not tokens:
+                    continue
+                now = time.perf_counter()
+                seconds, last = now - last, now
+                self._busy_s += seconds
+                self._load = PoolLoad(self.in_flight, 1.0, 0, seconds / len(tokens), len(tokens))
+                yield Proposal(request.request_id, TokenTree.chain(tokens), DETERMINISTIC, compute_s=seconds,
+                               load=self._load)
+        finally:
+            self.in_flight -= 1
+
     async def release(self, request_id: str) -> bool:
         return False  # vLLM owns its prefix cache; a finished round holds nothing of the request
 

@@ -11,8 +11,8 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 from specserve.proposers.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from specserve.protocol import (
-    ACCEPTANCES, DRAFT_POOL_PROPOSERS, HEAD_PROPOSERS, MAX_K, MAX_TREE_NODES, POLICIES, PROPOSERS, SHAPES, Speculation,
-    SpecserveError, TreeSpec, TypicalAcceptance, from_method,
+    ACCEPTANCES, DRAFT_POOL_PROPOSERS, HEAD_PROPOSERS, MAX_K, MAX_PIPELINE, MAX_TREE_NODES, POLICIES, PROPOSERS, SHAPES,
+    Speculation, SpecserveError, TreeSpec, TypicalAcceptance, from_method,
 )
 
 
@@ -220,6 +220,14 @@ class SpeculationArgs(_Strict):
         "where the draft's steps run beside the target's verify (vLLM pools on an H200: 1.50x tokens/s at 1 "
         "stream, docs/bench/gpu-h200-vllm-4); off on CPUs, where the pools share cores and it only adds work")
 
+    pipeline: int = Field(
+        0, ge=0, le=MAX_PIPELINE, description="greedy draft chains: the draft pool drafts one running stream (its decode steps, "
+        "not a new request per round) and up to this many k-token verifies of it run at once, each on the guess "
+        "that the chunks before it are accepted; a rejected token ends the stream and a new one starts after the "
+        "target's token. Exact (every emitted token is the target's argmax after tokens it accepted). 0: off, "
+        "rounds take turns. Needs policy fixed (the load-aware policy picks k round by round). A request may set it "
+        "too (`speculation.pipeline`)")
+
     @model_validator(mode="before")
     @classmethod
     def _legacy_method(cls, data):
@@ -236,7 +244,7 @@ class SpeculationArgs(_Strict):
     def spec(self) -> Speculation:
         return Speculation(proposer=self.proposer, shape=self.shape, k=self.k, tree=self.tree.spec(),
                            acceptance=self.acceptance, typical=TypicalAcceptance(**self.typical.model_dump()),
-                           policy=self.policy)
+                           policy=self.policy, pipeline=self.pipeline)
 
 
 class RouterArgs(_DeploymentArgs):
@@ -335,6 +343,12 @@ class AppArgs(_Strict):
         if self.speculation.draft_ahead and self.draft is None:
             raise ValueError("speculation.draft_ahead drafts the next round in the draft pool while a round "
                              "verifies: it needs a draft pool (`draft:`)")
+        if self.speculation.pipeline and self.draft is None:
+            raise ValueError("speculation.pipeline verifies a draft pool's streamed draft: it needs a draft pool "
+                             "(`draft:`)")
+        if self.speculation.pipeline and self.speculation.policy != "fixed":
+            raise ValueError("speculation.pipeline streams k-token chunks every round: set speculation.policy: fixed "
+                             "(the adaptive policy picks k round by round)")
         if self.speculation.draft_ahead is None:
             self.speculation.draft_ahead = self.draft is not None and self.target.on_cuda and self.draft.on_cuda
         if self.draft is not None and self.draft.heads is not None:

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specserve.protocol import ACCEPTANCES, MAX_K, POLICIES, PROPOSERS, SHAPES, SamplingParams, Speculation, TreeSpec
+from specserve.protocol import ACCEPTANCES, MAX_K, MAX_PIPELINE, POLICIES, PROPOSERS, SHAPES, SamplingParams, Speculation, TreeSpec
 
 
 class TreeOverride(BaseModel):
@@ -49,6 +49,8 @@ class SpeculationOverride(BaseModel):
     typical: TypicalOverride | None = None
     policy: Literal[POLICIES] | None = Field(None, description="adaptive | fixed; an explicit proposer, "  # type: ignore[valid-type]
                                              "shape, k or tree alone means fixed")
+    pipeline: int | None = Field(None, ge=0, le=MAX_PIPELINE, description="greedy draft-pool chains: verifies at "
+                                 "once on one streamed draft (0: rounds take turns)")
 
     def apply_to(self, spec: Speculation) -> Speculation:
         """The deployment's speculation with this request's settings; checks the ranges."""
@@ -56,7 +58,7 @@ class SpeculationOverride(BaseModel):
                                tree=self.tree.apply_to(spec.tree) if self.tree is not None else None,
                                acceptance=self.acceptance,
                                typical=self.typical.model_dump(exclude_none=True) if self.typical else None,
-                               policy=self.policy)
+                               policy=self.policy, pipeline=self.pipeline)
 
 
 class StreamOptions(BaseModel):

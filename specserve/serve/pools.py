@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ray import serve
 
-from specserve.engine import vocabulary_fingerprint
+from specserve.engine import chunked_propose_stream, vocabulary_fingerprint
 from specserve.engine.torch_engine import ALWAYS_READY_TOKENS, PROBE_ID, plan_prefill_chunks  # noqa: F401
 from specserve.models import resolve_dtype
 from specserve.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResult
@@ -70,6 +70,18 @@ class _Pool:
             return await call
         finally:
             self._last_call[request_id] = time.monotonic()
+
+    async def _streamed(self, request_id: str, items: AsyncIterator) -> AsyncIterator:
+        """A streaming engine call for a request, noting each item as a touch of its cache;
+        closed (the engine stops) however the stream ends."""
+        self._last_call[request_id] = time.monotonic()
+        try:
+            async for item in items:
+                self._last_call[request_id] = time.monotonic()
+                yield item
+        finally:
+            self._last_call[request_id] = time.monotonic()
+            await items.aclose()
 
     async def release_abandoned(self) -> int:
         """Release the caches of requests no call has touched for `abandoned_cache_s`: their
@@ -127,6 +139,14 @@ class DraftPool(_Pool):
     async def propose(self, request: ProposeRequest) -> Proposal:
         return await self._call(request.request_id, self.engine.propose(request))
 
+    async def propose_stream(self, request: ProposeRequest) -> AsyncIterator[Proposal]:
+        """speculation.pipeline: the draft's greedy continuation as it is made (a Serve
+        streaming call: `handle.options(stream=True)`); the router closing it stops the draft."""
+        stream = getattr(self.engine, "propose_stream", None)
+        proposals = stream(request) if stream is not None else chunked_propose_stream(self.engine, request)
+        async for proposal in self._streamed(request.request_id, proposals):
+            yield proposal
+
 
 class _Verifying(_Pool):
     """A replica that holds the target and verifies (TargetPool, CoLocatedPool)."""
@@ -137,13 +157,8 @@ class _Verifying(_Pool):
     async def verify_stream(self, request: VerifyRequest) -> AsyncIterator[VerifyResult]:
         """Native mode: the rest of the request's generation as the engine makes it (a Serve
         streaming call: `handle.options(stream=True)`)."""
-        self._last_call[request.request_id] = time.monotonic()
-        try:
-            async for result in self.engine.verify_stream(request):
-                self._last_call[request.request_id] = time.monotonic()
-                yield result
-        finally:
-            self._last_call[request.request_id] = time.monotonic()
+        async for result in self._streamed(request.request_id, self.engine.verify_stream(request)):
+            yield result
 
     async def model_info(self) -> dict:
         info = self.engine.info()

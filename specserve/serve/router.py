@@ -22,6 +22,7 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -35,8 +36,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.engine import adapt_speculation, sampling_refusal
 from specserve.policy import LoadModel, MeasuredModes, PrefillWatch, SpeculationPolicy, draft_catches_up
+from specserve.pipeline import StreamedDraft
 from specserve.protocol import (
-    DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, TokenTree, VerifyRequest,
+    DETERMINISTIC, DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, TokenTree, VerifyRequest,
     VerifyResult,
 )
 from specserve.proposers.ngram import NgramProposer
@@ -229,10 +231,14 @@ class Router(GrpcApi):
                 logger.warning("draft call given up on (%s) while the pool answers others; this round drafts "
                                "by prompt lookup (ngram)", exc)
                 return self.ngram.propose_one(request)
-            self._draft_down_until = time.monotonic() + self.spec.draft_retry_after_s
-            logger.warning("draft pool unavailable (%s: %s); drafting by prompt lookup (ngram) for %.1f s",
-                           type(exc).__name__, exc, self.spec.draft_retry_after_s)
+            self._draft_down(exc)
             return self.ngram.propose_one(request)
+
+    def _draft_down(self, exc: BaseException) -> None:
+        """The draft pool failed or went silent: draft by prompt lookup for draft_retry_after_s."""
+        self._draft_down_until = time.monotonic() + self.spec.draft_retry_after_s
+        logger.warning("draft pool unavailable (%s: %s); drafting by prompt lookup (ngram) for %.1f s",
+                       type(exc).__name__, exc, self.spec.draft_retry_after_s)
 
     def _sync_draft(self, state: RequestState) -> None:
         """Start the draft pool's catch-up on `state` in the background (RequestState.draft_sync_due)."""
@@ -356,6 +362,11 @@ class Router(GrpcApi):
                     await native.aclose()  # now, not when collected: it closes the pool's stream
                 return
             while not state.finished:
+                if self._may_pipeline(state):  # speculation.pipeline: verify a streamed draft
+                    async for emitted in self._pipelined_rounds(state, deadline):
+                        prefill = False
+                        yield emitted
+                    continue
                 started = time.perf_counter()
                 round_start = time.monotonic()
                 self.load.in_flight = self.in_rounds
@@ -434,6 +445,72 @@ class Router(GrpcApi):
                 self.modes.end(ticket, None)
             self.in_rounds -= 1
             self._release(state)
+
+    def _may_pipeline(self, state: RequestState) -> bool:
+        """speculation.pipeline applies: a greedy chain from a draft pool that is up, drafting the
+        configured k (not the load-aware policy), after the request's first round (its prompt's
+        prefill, while the draft pool catches up) and with room for more than one chunk."""
+        spec = state.speculation
+        return (spec.pipeline > 0 and self.draft is not None and time.monotonic() >= self._draft_down_until
+                and spec.draft_cost == "pool" and spec.shape == "chain" and spec.k > 0 and not state.adaptive
+                and state.params.greedy and state.stats.target_steps > 0 and not state.draft_syncing
+                and state.room() > spec.k + 1)
+
+    async def _pipelined_rounds(self, state: RequestState, deadline: float | None) -> AsyncIterator[list[int]]:
+        """speculation.pipeline (specserve.pipeline): one draft stream, its k-token chunks
+        verified as they come, up to `pipeline` at once, each settled result a round. Returns
+        when a token is rejected or the stream ends (the caller starts the next stream), and
+        when the draft pool fails or goes silent (the caller's rounds then draft by prompt
+        lookup)."""
+        pipe = StreamedDraft(list(state.token_ids), state.speculation.k, state.speculation.pipeline)
+        quiet_s = self.spec.draft_timeout_s + self._expected_draft_s(state.draft_unseen, 1)
+        state.draft_synced = len(pipe.base)
+        state.stats.draft_streams += 1
+        stream = self.draft.options(stream=True).propose_stream.remote(
+            ProposeRequest(state.request_id, pipe.base, state.room() - 1, state.params, 0))
+        reading: asyncio.Future | None = asyncio.ensure_future(stream.__anext__())
+        verifies: deque[tuple[TokenTree, asyncio.Future]] = deque()
+        try:
+            while not state.finished:
+                for context, chunk in pipe.chunks_to_verify():
+                    verify = VerifyRequest(state.request_id, context, state.params, 0, chunk, DETERMINISTIC)
+                    verifies.append((chunk, asyncio.ensure_future(self._verify(verify))))
+                if pipe.done:
+                    if not pipe.drafted:  # a stream with no draft at all: not worth another try now
+                        self._draft_down(SpecserveError("the draft pool's stream ended without a draft"))
+                    return
+                waiting = [task for task in (reading, verifies[0][1] if verifies else None) if task is not None]
+                done, _ = await self._before(deadline, state, asyncio.wait(
+                    waiting, timeout=None if verifies else quiet_s, return_when=asyncio.FIRST_COMPLETED))
+                if not done:  # nothing to verify, and the draft pool silent
+                    self._draft_down(TimeoutError(f"no draft token in {quiet_s:.1f} s"))
+                    return
+                if reading in done:
+                    try:
+                        pipe.add(reading.result().tree.tokens)
+                        reading = asyncio.ensure_future(stream.__anext__())
+                    except StopAsyncIteration:
+                        pipe.ended, reading = True, None
+                    except Exception as exc:  # noqa: BLE001 - verify what was drafted, then draft by prompt lookup
+                        self._draft_down(exc)
+                        pipe.ended, reading = True, None
+                if verifies and verifies[0][1].done():
+                    chunk, task = verifies.popleft()
+                    result, goes_on = pipe.settle(task.result())
+                    counts = SpecCounts.of(state.stats)
+                    emitted = state.commit(result, chunk)
+                    self.metrics.round(state.speculation.proposer, counts, SpecCounts.of(state.stats))
+                    if result.load is not None:
+                        self.metrics.pool_load("target", result.load)
+                    state.finish_at_stop_string(self.codec.decode)
+                    yield emitted
+                    if not goes_on:
+                        return
+        finally:  # a rejection, the end, an error, a deadline, a disconnect: stop the draft and the verifies
+            for task in (reading, *(task for _, task in verifies)):
+                if task is not None:
+                    task.cancel()
+            stream.cancel()
 
     async def _native_rounds(self, state: RequestState, deadline: float | None) -> AsyncIterator[list[int]]:
         """Native mode: one streaming call for the rest of the generation, each of the target's
