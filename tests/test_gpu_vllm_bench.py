@@ -34,16 +34,20 @@ def test_the_specserve_systems_are_valid_apps_of_one_valid_serve_config():
     # and that with Serve's default calls between replicas (by reference) instead of gRPC
     assert apps["aheadpools"].fast_replica_calls and not apps["aheadslow"].fast_replica_calls
     assert apps["aheadslow"].speculation == apps["aheadpools"].speculation
+    # and pipelined on a streamed draft; the pools taking turns do not pipeline (the default on CUDA would)
+    assert apps["pipeline"].speculation.pipeline == gpu_vllm.PIPELINE and not apps["pipeline"].speculation.draft_ahead
+    assert apps["pools"].speculation.pipeline == apps["aheadpools"].speculation.pipeline == 0
     # each router traces its rounds into the work directory (round_profile reads them)
     traces = {app.router.ray_actor_options["runtime_env"]["env_vars"]["SPECSERVE_POLICY_TRACE"]
               for app in apps.values()}
     assert traces == {"/tmp/w/trace-specserve_vllm_pools_k4.jsonl",
                       "/tmp/w/trace-specserve_vllm_pools_k4_draft_ahead.jsonl",
                       "/tmp/w/trace-specserve_vllm_pools_k4_draft_ahead_default_calls.jsonl",
+                      "/tmp/w/trace-specserve_vllm_pools_k4_pipeline.jsonl",
                       "/tmp/w/trace-specserve_native_k4.jsonl"}
     # Ray's GPU shares of the pools fit the one GPU
     shares = [pool.ray_actor_options["num_gpus"] for app in apps.values() for pool in (app.target, app.draft) if pool]
-    assert len(shares) == 7 and sum(shares) <= 1.0
+    assert len(shares) == 9 and sum(shares) <= 1.0
 
 
 def test_only_the_systems_asked_for_are_deployed():
@@ -150,7 +154,7 @@ def test_every_engine_gets_the_same_small_batch_limit():
     assert native_args[native_args.index("--max-num-seqs") + 1] == "16"
     config = gpu_vllm.specserve_config(bench_args(max_num_seqs=16))
     pools = [app["args"][role] for app in config["applications"] for role in ("target", "draft") if role in app["args"]]
-    assert len(pools) == 7 and all(p["engine_kwargs"]["max_num_seqs"] == 16 for p in pools)
+    assert len(pools) == 9 and all(p["engine_kwargs"]["max_num_seqs"] == 16 for p in pools)
 
 
 def test_a_bench_past_its_budget_keeps_what_it_measured(tmp_path, monkeypatch):

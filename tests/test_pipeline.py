@@ -253,3 +253,17 @@ def test_a_request_may_ask_for_a_pipeline_and_that_pins_its_k():
     assert SpeculationOverride(pipeline=0).apply_to(deployment).policy == "adaptive"
     with pytest.raises(SpecserveError, match="pipeline"):
         Speculation(pipeline=99)
+
+
+@pytest.mark.parametrize(("device", "policy", "expected"), [
+    ("cuda", "fixed", 4), ("cuda", "adaptive", 0), ("cpu", "fixed", 0)])
+def test_by_default_only_fixed_chains_on_cuda_pools_pipeline(device, policy, expected):
+    from specserve.serve.config import AppArgs
+
+    args = {"target": {"model": "fake", "device": device}, "draft": {"model": "fake", "device": device},
+            "speculation": {"policy": policy}}
+    app = AppArgs.model_validate(args)
+    assert app.speculation.pipeline == expected and app.speculation.spec().pipeline == expected
+    if policy == "fixed":  # an explicit setting wins
+        args["speculation"]["pipeline"] = 2
+        assert AppArgs.model_validate(args).speculation.pipeline == 2

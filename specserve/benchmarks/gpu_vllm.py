@@ -56,7 +56,7 @@ VLLM_PORTS = {"vllm none": 8101, "vllm native k=4": 8102}
 SERVE_PORT = 8000
 RAY_LOGS = "/tmp/ray/session_latest/logs"
 SERVER_GPU_SHARE = 0.2  # of the GPU's memory, per `vllm serve` (specserve's engines have a fixed KV budget)
-POOL_GPU_SHARE = 0.14  # Ray's GPU share per specserve pool: seven pools on the one GPU
+POOL_GPU_SHARE = 0.11  # Ray's GPU share per specserve pool: nine pools on the one GPU
 SPECSERVE_ROUTES = {"specserve vllm pools k=4": "/pools", "specserve vllm pools k=4 draft ahead": "/aheadpools",
                     "specserve vllm pools k=4 draft ahead default calls": "/aheadslow",
                     "specserve vllm pools k=4 pipeline": "/pipeline", "specserve native k=4": "/native"}
@@ -120,9 +120,9 @@ def pool(model: str, kwargs: dict, gpus: float) -> dict:
 
 def specserve_config(args) -> dict:
     """A Serve config with the specserve systems asked for as applications of one cluster: the
-    separate pools (also drafting the next round during each verify, `speculation.draft_ahead`,
-    and that with Serve's default calls between replicas instead of `fast_replica_calls`) and
-    native mode."""
+    separate pools taking turns (also drafting the next round during each verify,
+    `speculation.draft_ahead`, and that with Serve's default calls between replicas instead of
+    `fast_replica_calls`), pipelined on a streamed draft (`speculation.pipeline`), and native mode."""
     kwargs = engine_kwargs(args)
     def router(system: str) -> dict:  # its rounds traced (where each round's time went: round_profile)
         trace = {"env_vars": {TRACE_ENV: str(trace_path(args.work, system))}}
@@ -131,7 +131,8 @@ def specserve_config(args) -> dict:
 
     pools_app = {"model_name": MODEL_NAME, "target": pool(args.model, kwargs, POOL_GPU_SHARE),
                  "draft": pool(args.draft or args.model, kwargs, POOL_GPU_SHARE),
-                 "speculation": {"proposer": "draft", "shape": "chain", "k": K, "policy": "fixed", "draft_ahead": False},
+                 "speculation": {"proposer": "draft", "shape": "chain", "k": K, "policy": "fixed", "draft_ahead": False,
+                                 "pipeline": 0},
                  "router": router("specserve vllm pools k=4")}
     native_kwargs = kwargs | {"speculative_config": speculative_config(args.draft or args.model)}
     native_app = {"model_name": MODEL_NAME, "target": pool(args.model, native_kwargs, POOL_GPU_SHARE),
