@@ -42,6 +42,7 @@ import itertools
 import math
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import numpy as np
@@ -330,20 +331,29 @@ class VllmEngine:
         vllm_params = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=True,
                                      stop_token_ids=list(stop_ids), detokenize=False,
                                      output_kind=RequestOutputKind.DELTA)
+        async with aclosing(self._streamed_tokens(request, vllm_params, "native")) as outputs:
+            async for tokens, seconds in outputs:
+                self.rounds += 1
+                yield VerifyResult(request.request_id, len(tokens) - 1, tokens, compute_s=seconds, load=self._load)
+
+    async def _streamed_tokens(self, request, params, tag: str) -> AsyncIterator[tuple[list[int], float]]:
+        """One vLLM request from request.token_ids with DELTA `params`: each output's new tokens
+        and the seconds since the last, as they come (the pool's load noted per output). Closed,
+        it closes vLLM's generator at once, which aborts the request."""
         self.in_flight += 1
         try:
             last = time.perf_counter()
-            async for out in self.llm.generate({"prompt_token_ids": list(request.token_ids)}, vllm_params,
-                                               f"{request.request_id}-native-{next(self._calls)}"):
-                tokens = list(out.outputs[0].token_ids)
-                if not tokens:
-                    continue
-                now = time.perf_counter()
-                seconds, last = now - last, now
-                self.rounds += 1
-                self._busy_s += seconds
-                self._load = PoolLoad(self.in_flight, 1.0, 0, seconds / len(tokens), len(tokens))
-                yield VerifyResult(request.request_id, len(tokens) - 1, tokens, compute_s=seconds, load=self._load)
+            async with aclosing(self.llm.generate({"prompt_token_ids": list(request.token_ids)}, params,
+                                                  f"{request.request_id}-{tag}-{next(self._calls)}")) as outputs:
+                async for out in outputs:
+                    tokens = list(out.outputs[0].token_ids)
+                    if not tokens:
+                        continue
+                    now = time.perf_counter()
+                    seconds, last = now - last, now
+                    self._busy_s += seconds
+                    self._load = PoolLoad(self.in_flight, 1.0, 0, seconds / len(tokens), len(tokens))
+                    yield tokens, seconds
         finally:
             self.in_flight -= 1
 
@@ -417,22 +427,10 @@ class VllmEngine:
             raise SpecserveError("a streamed draft is greedy: sampled requests draft round by round")
         params = SamplingParams(max_tokens=max(1, request.k), temperature=0.0, ignore_eos=True, detokenize=False,
                                 output_kind=RequestOutputKind.DELTA)
-        self.in_flight += 1
-        try:
-            last = time.perf_counter()
-            async for out in self.llm.generate({"prompt_token_ids": list(request.token_ids)}, params,
-                                               f"{request.request_id}-stream-{next(self._calls)}"):
-                tokens = list(out.outputs[0].token_ids)
-                if not tokens:
-                    continue
-                now = time.perf_counter()
-                seconds, last = now - last, now
-                self._busy_s += seconds
-                self._load = PoolLoad(self.in_flight, 1.0, 0, seconds / len(tokens), len(tokens))
+        async with aclosing(self._streamed_tokens(request, params, "stream")) as outputs:
+            async for tokens, seconds in outputs:
                 yield Proposal(request.request_id, TokenTree.chain(tokens), DETERMINISTIC, compute_s=seconds,
                                load=self._load)
-        finally:
-            self.in_flight -= 1
 
     async def release(self, request_id: str) -> bool:
         return False  # vLLM owns its prefix cache; a finished round holds nothing of the request

@@ -465,6 +465,7 @@ class Router(GrpcApi):
         pipe = StreamedDraft(list(state.token_ids), state.speculation.k, state.speculation.pipeline)
         quiet_s = self.spec.draft_timeout_s + self._expected_draft_s(state.draft_unseen, 1)
         state.draft_synced = len(pipe.base)
+        state.ahead = None  # a draft ahead of the round before: drafted after tokens the stream goes past
         state.stats.draft_streams += 1
         stream = self.draft.options(stream=True).propose_stream.remote(
             ProposeRequest(state.request_id, pipe.base, state.room() - 1, state.params, 0))
