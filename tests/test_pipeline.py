@@ -267,3 +267,44 @@ def test_by_default_only_fixed_chains_on_cuda_pools_pipeline(device, policy, exp
     if policy == "fixed":  # an explicit setting wins
         args["speculation"]["pipeline"] = 2
         assert AppArgs.model_validate(args).speculation.pipeline == 2
+
+
+# ---- native mode's streamed rounds commit through the same path (Router._commit) ---------------
+
+class NativeTargetPool(FakeTargetPool):
+    """A target that speculates itself: verify_stream yields its greedy tokens 3 at a time."""
+
+    def __init__(self):
+        super().__init__(0.001)
+        self.verify_stream = self
+
+    def options(self, stream: bool = False):
+        assert stream
+        return self
+
+    def remote(self, request):
+        return FakeStream(self._stream(request))
+
+    async def _stream(self, request):
+        context = list(request.token_ids)
+        for _ in range(0, request.params.max_tokens, 3):
+            tokens = []
+            for _ in range(3):
+                tokens.append(target_next(context))
+                context.append(tokens[-1])
+            await asyncio.sleep(0.001)
+            yield VerifyResult(request.request_id, 2, tokens)
+
+
+def test_native_rounds_emit_the_target_s_stream_cut_at_max_tokens(monkeypatch):
+    router = make_router(monkeypatch, None, NativeTargetPool(), pipeline=0)
+    params = SamplingParams(max_tokens=20)
+    state = RequestState("r", list(PROMPT), params, Speculation(proposer="native", policy="fixed"))
+    asyncio.run(drain_rounds(router, state))
+    assert state.output_ids == target_alone(PROMPT, 20) and state.finish_reason == "length"
+    assert state.stats.target_steps == 7 and state.stats.num_drafts == 0
+
+
+async def drain_rounds(router, state):
+    async for _ in router._rounds(state):
+        pass

@@ -35,11 +35,11 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.engine import adapt_speculation, sampling_refusal
-from specserve.policy import LoadModel, MeasuredModes, PrefillWatch, SpeculationPolicy, draft_catches_up
 from specserve.pipeline import StreamedDraft
+from specserve.policy import LoadModel, MeasuredModes, PrefillWatch, SpeculationPolicy, draft_catches_up
 from specserve.protocol import (
-    DETERMINISTIC, DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, TokenTree, VerifyRequest,
-    VerifyResult,
+    DETERMINISTIC, DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, TokenTree,
+    VerifyRequest, VerifyResult,
 )
 from specserve.proposers.ngram import NgramProposer
 from specserve.request_state import RequestState
@@ -364,7 +364,6 @@ class Router(GrpcApi):
             while not state.finished:
                 if self._may_pipeline(state):  # speculation.pipeline: verify a streamed draft
                     async for emitted in self._pipelined_rounds(state, deadline):
-                        prefill = False
                         yield emitted
                     continue
                 started = time.perf_counter()
@@ -498,13 +497,7 @@ class Router(GrpcApi):
                 if verifies and verifies[0][1].done():
                     chunk, task = verifies.popleft()
                     result, goes_on = pipe.settle(task.result())
-                    counts = SpecCounts.of(state.stats)
-                    emitted = state.commit(result, chunk)
-                    self.metrics.round(state.speculation.proposer, counts, SpecCounts.of(state.stats))
-                    if result.load is not None:
-                        self.metrics.pool_load("target", result.load)
-                    state.finish_at_stop_string(self.codec.decode)
-                    yield emitted
+                    yield self._commit(state, result, chunk)
                     if not goes_on:
                         return
         finally:  # a rejection, the end, an error, a deadline, a disconnect: stop the draft and the verifies
@@ -527,19 +520,24 @@ class Router(GrpcApi):
                     except StopAsyncIteration:
                         raise SpecserveError("the target pool's stream ended before the generation did") from None
                     retry_until, attempt = None, 0
-                    counts = SpecCounts.of(state.stats)
-                    emitted = state.commit(result, TokenTree())
-                    self.metrics.round("native", counts, SpecCounts.of(state.stats))
-                    if result.load is not None:
-                        self.metrics.pool_load("target", result.load)
-                    state.finish_at_stop_string(self.codec.decode)
-                    yield emitted
+                    yield self._commit(state, result, TokenTree())
             except RETRYABLE as exc:
                 retry_until = retry_until or time.monotonic() + self.args.router.target_retry_timeout_s
                 attempt += 1
                 await self._after_lost_target(exc, attempt, retry_until, "restarting the stream")
             finally:
                 stream.cancel()  # finished early (a stop string), a deadline, a disconnect: vLLM stops too
+
+    def _commit(self, state: RequestState, result: VerifyResult, draft: TokenTree) -> list[int]:
+        """Commit a streamed round's result (native mode, a pipeline's settled chunk): the
+        tokens it emitted, counted in the metrics, and the output cut at a stop string."""
+        counts = SpecCounts.of(state.stats)
+        emitted = state.commit(result, draft)
+        self.metrics.round(state.speculation.proposer, counts, SpecCounts.of(state.stats))
+        if result.load is not None:
+            self.metrics.pool_load("target", result.load)
+        state.finish_at_stop_string(self.codec.decode)
+        return emitted
 
     def _observe_load(self, result: VerifyResult, proposal: Proposal | None, draft_call: bool,
                       overhead_s: float | None) -> None:
