@@ -281,6 +281,16 @@ class RequestState:
         return (proposal is not None and len(proposal.tree) > 0 and spec.draft_cost == "pool"
                 and spec.shape == "chain" and self.params.greedy and self.room() > len(proposal.tree) + 2)
 
+    def may_pipeline(self) -> bool:
+        """Whether this request's rounds may verify a streamed draft (speculation.pipeline): a
+        greedy chain from a draft pool at the configured k (not the load-aware policy), after its
+        first round (the prompt's prefill, while the draft pool catches up) and with room for
+        more than one chunk."""
+        spec = self.speculation
+        return (spec.pipeline > 0 and spec.draft_cost == "pool" and spec.shape == "chain" and spec.k > 0
+                and not self.adaptive and self.params.greedy and self.stats.target_steps > 0
+                and not self.draft_syncing and self.room() > spec.k + 1)
+
     def ahead_request(self, proposal: Proposal) -> ProposeRequest:
         """The next round's draft, asked for during this round's verify, on the guess that the
         round accepts its whole chain: k + 1 tokens after it, the first being the draft's own

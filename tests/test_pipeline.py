@@ -30,7 +30,8 @@ def test_chunks_are_sent_whole_and_no_more_than_max_in_flight_at_once():
     assert pipe.chunks_to_verify() == []  # not a whole chunk yet
     pipe.add([12, 13, 14, 15, 16, 17, 18])
     sent = pipe.chunks_to_verify()
-    assert [(context, chunk.tokens) for context, chunk in sent] == [([1], (10, 11, 12)), ([1, 10, 11, 12], (13, 14, 15))]
+    assert [(context, chunk.tokens) for context, chunk in sent] == [([1], (10, 11, 12)),
+                                                                    ([1, 10, 11, 12], (13, 14, 15))]
     assert pipe.chunks_to_verify() == []  # two in flight
     pipe.settle(VerifyResult("r", 3, [10, 11, 12, 13]))
     assert [chunk.tokens for _, chunk in pipe.chunks_to_verify()] == [(16, 17, 18)]

@@ -87,12 +87,17 @@ class Engine(Protocol):
 STREAM_CHUNK = 4  # draft tokens per propose call of chunked_propose_stream
 
 
+def check_streamable(request: ProposeRequest) -> None:
+    """Every engine's propose_stream: a stream is the draft's greedy continuation."""
+    if not request.params.greedy:
+        raise SpecserveError("a streamed draft is greedy: sampled requests draft round by round")
+
+
 async def chunked_propose_stream(engine: Engine, request: ProposeRequest,
                                  chunk: int = STREAM_CHUNK) -> AsyncIterator[Proposal]:
     """propose_stream from propose calls of `chunk` tokens each, every call continuing after
-    the tokens already streamed. Greedy only: a stream is the draft's greedy continuation."""
-    if not request.params.greedy:
-        raise SpecserveError("a streamed draft is greedy: sampled requests draft round by round")
+    the tokens already streamed."""
+    check_streamable(request)
     ids, left = list(request.token_ids), request.k
     while left > 0:
         proposal = await engine.propose(replace(request, token_ids=ids, k=min(chunk, left), tree=None))

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from specserve.engine import EngineInfo, sampling_refusal, vocabulary_fingerprint
+from specserve.engine import EngineInfo, check_streamable, sampling_refusal, vocabulary_fingerprint
 from specserve.models import resolve_dtype
 from specserve.protocol import (
     DETERMINISTIC, SAMPLED, PoolLoad, Proposal, ProposeRequest, SparseDist, SpecserveError, TokenTree, VerifyRequest,
@@ -423,8 +423,7 @@ class VllmEngine:
 
         if self.role != "draft":
             raise SpecserveError("this pool verifies; it does not propose")
-        if not request.params.greedy:
-            raise SpecserveError("a streamed draft is greedy: sampled requests draft round by round")
+        check_streamable(request)
         params = SamplingParams(max_tokens=max(1, request.k), temperature=0.0, ignore_eos=True, detokenize=False,
                                 output_kind=RequestOutputKind.DELTA)
         async with aclosing(self._streamed_tokens(request, params, "stream")) as outputs:

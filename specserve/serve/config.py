@@ -224,8 +224,8 @@ class SpeculationArgs(_Strict):
         "stream, docs/bench/gpu-h200-vllm-4); off on CPUs, where the pools share cores and it only adds work")
 
     pipeline: int | None = Field(
-        None, ge=0, le=MAX_PIPELINE, description="greedy draft chains: the draft pool drafts one running stream (its decode steps, "
-        "not a new request per round) and up to this many k-token verifies of it run at once, each on the guess "
+        None, ge=0, le=MAX_PIPELINE, description="greedy draft chains: the draft pool drafts one running stream "
+        "(its decode steps, not a new request per round) and up to this many k-token verifies of it run at once, each on the guess "
         "that the chunks before it are accepted; a rejected token ends the stream and a new one starts after the "
         "target's token. Exact (every emitted token is the target's argmax after tokens it accepted). 0: off, "
         "rounds take turns. Needs policy fixed (the load-aware policy picks k round by round). A request may set it "

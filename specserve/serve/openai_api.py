@@ -9,7 +9,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specserve.protocol import ACCEPTANCES, MAX_K, MAX_PIPELINE, POLICIES, PROPOSERS, SHAPES, SamplingParams, Speculation, TreeSpec
+from specserve.protocol import (
+    ACCEPTANCES, MAX_K, MAX_PIPELINE, POLICIES, PROPOSERS, SHAPES, SamplingParams, Speculation, TreeSpec,
+)
 
 
 class TreeOverride(BaseModel):

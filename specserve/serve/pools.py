@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ray import serve
 
-from specserve.engine import chunked_propose_stream, vocabulary_fingerprint
+from specserve.engine import vocabulary_fingerprint
 from specserve.engine.torch_engine import ALWAYS_READY_TOKENS, PROBE_ID, plan_prefill_chunks  # noqa: F401
 from specserve.models import resolve_dtype
 from specserve.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResult
@@ -142,9 +142,7 @@ class DraftPool(_Pool):
     async def propose_stream(self, request: ProposeRequest) -> AsyncIterator[Proposal]:
         """speculation.pipeline: the draft's greedy continuation as it is made (a Serve
         streaming call: `handle.options(stream=True)`); the router closing it stops the draft."""
-        stream = getattr(self.engine, "propose_stream", None)
-        proposals = stream(request) if stream is not None else chunked_propose_stream(self.engine, request)
-        async for proposal in self._streamed(request.request_id, proposals):
+        async for proposal in self._streamed(request.request_id, self.engine.propose_stream(request)):
             yield proposal
 
 

@@ -446,14 +446,9 @@ class Router(GrpcApi):
             self._release(state)
 
     def _may_pipeline(self, state: RequestState) -> bool:
-        """speculation.pipeline applies: a greedy chain from a draft pool that is up, drafting the
-        configured k (not the load-aware policy), after the request's first round (its prompt's
-        prefill, while the draft pool catches up) and with room for more than one chunk."""
-        spec = state.speculation
-        return (spec.pipeline > 0 and self.draft is not None and time.monotonic() >= self._draft_down_until
-                and spec.draft_cost == "pool" and spec.shape == "chain" and spec.k > 0 and not state.adaptive
-                and state.params.greedy and state.stats.target_steps > 0 and not state.draft_syncing
-                and state.room() > spec.k + 1)
+        """speculation.pipeline applies: to the request (RequestState.may_pipeline), with a draft
+        pool that is up."""
+        return self.draft is not None and time.monotonic() >= self._draft_down_until and state.may_pipeline()
 
     async def _pipelined_rounds(self, state: RequestState, deadline: float | None) -> AsyncIterator[list[int]]:
         """speculation.pipeline (specserve.pipeline): one draft stream, its k-token chunks
