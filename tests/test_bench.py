@@ -434,9 +434,20 @@ def test_service_passes_take_turns_and_add_up(monkeypatch, tmp_path):
     bar = SimpleNamespace(set_description=lambda text: None, update=lambda n: None)
     a, b = systems.specserve_system("none", {}), systems.specserve_system("draft", {"k": 4})
     workload = SimpleNamespace(name="code")
+    saved = []  # what a long sweep keeps after each level
     runs = suite.service.run_service([a, b], [(workload, [[1, 2, 3]])], manifest=None, url="http://x", max_tokens=4,
-                                     requests=1, concurrency=[1, 4], log_path=tmp_path / "log", bar=bar, repeats=3)
+                                     requests=1, concurrency=[1, 4], log_path=tmp_path / "log", bar=bar, repeats=3,
+                                     level_done=lambda finished: saved.append([(r.concurrency, r.system)
+                                                                               for r in finished]))
     assert [name for c, name in order if c == 1] == [a.name, b.name, b.name, a.name, a.name, b.name]
+    assert saved == [[(1, a.name), (1, b.name)], [(1, a.name), (1, b.name), (4, a.name), (4, b.name)]]
+    assert len(order) == 12  # every level's passes ran before its level_done
+    # as `specserve bench` keeps them: the finished levels' rows, compared, in a partial page
+    doc = {**json.loads((pathlib.Path(__file__).parents[1] / "docs" / "bench" / "adaptive-1-xeon"
+                         / "results.json").read_text()), "partial": True}
+    suite.write_outputs({**doc, "service": suite._compared(runs[:2])}, tmp_path / "partial", None)
+    assert "Partial results" in (tmp_path / "partial" / "results.md").read_text()
+    assert json.loads((tmp_path / "partial" / "results.json").read_text())["service"][1]["speedup"] > 0
     by_cell = {(r.concurrency, r.system): r for r in runs}
     none_at_1 = by_cell[1, a.name]
     assert none_at_1.wall_s == 6.0 and none_at_1.tokens == 10 * (1 + 4 + 5)
@@ -451,7 +462,8 @@ def test_service_mode_measures_a_running_server_with_url(monkeypatch, tmp_path):
     monkeypatch.setattr(suite.service, "run_service", lambda systems_, encoded, **kw: seen.update(kw) or [])
     args = suite.build_parser().parse_args(["--preset", "http", "--url", "http://127.0.0.1:9999/"])
     suite.resolve_defaults(args)
-    suite._service_mode(args, [systems.specserve_system("none", {})], [], tmp_path, SimpleNamespace(), {})
+    suite._service_mode(args, [systems.specserve_system("none", {})], [], tmp_path, SimpleNamespace(), {},
+                        lambda **fields: None)
     assert seen["manifest"] is None and seen["url"] == "http://127.0.0.1:9999"  # no `serve run`
     served = next(s for s in systems.specserve_systems(suite.presets.PRESETS["http"]["variants"])
                   if s.method == systems.SERVED)
@@ -520,6 +532,69 @@ def test_load_aware_table_compares_adaptive_with_the_better_fixed_setting():
     assert one == "| code | 1 | 4.00 | 5.00 | 5.10 | 1.02x | 1.02x | 75% |"
     assert eight == "| code | 8 | 10.00 | 8.00 | 9.60 | 0.96x | 1.20x | 1% |"
     assert load_aware_rows(runs[-2:]) == []
+
+
+def test_load_aware_plot_shows_adaptives_ratios_per_level(tmp_path):
+    import matplotlib.image
+
+    from specserve.benchmarks.plots import write_plots
+    from specserve.benchmarks.report import load_aware_levels, markdown
+
+    saved = json.loads((pathlib.Path(__file__).parents[1] / "docs" / "bench" / "adaptive-1-xeon"
+                        / "results.json").read_text())
+    [level] = [lv for lv in load_aware_levels(saved["service"]) if lv["workload"] == "code"]
+    assert (level["streams"], round(level["vs_better_fixed"], 2), round(level["vs_on"], 2)) == (1, 1.01, 1.01)
+    written = write_plots(saved, tmp_path)
+    assert written["load_aware"] == "load_aware.png"
+    assert matplotlib.image.imread(tmp_path / "load_aware.png").shape[0] > 100
+    assert "](load_aware.png)" in markdown({**saved, "plots": written})
+    no_adaptive = {**saved, "service": [r for r in saved["service"] if "adaptive" not in r["system"]]}
+    (tmp_path / "none").mkdir()
+    assert "load_aware" not in write_plots(no_adaptive, tmp_path / "none")
+
+
+def _saved_run(workload: str, **changes) -> dict:
+    """A saved one-workload run of the adaptive preset, renamed to `workload` and changed."""
+    doc = json.loads((pathlib.Path(__file__).parents[1] / "docs" / "bench" / "adaptive-8-avx2-code"
+                      / "results.json").read_text())
+    doc["command"] = doc["command"].replace("--workloads code", f"--workloads {workload}")
+    doc["service"] = [{**r, "workload": workload} for r in doc["service"]]
+    doc["setup"]["service_workloads"] = [{**w, "name": workload} for w in doc["setup"]["service_workloads"]]
+    for key, value in changes.items():
+        section, _, name = key.partition("__")
+        doc[section][name] = value
+    return doc
+
+
+def test_runs_of_one_commit_split_by_workload_render_as_one_page(tmp_path):
+    from specserve.benchmarks.report import JoinError, join_runs, load_aware_rows
+
+    code, chat = _saved_run("code"), _saved_run("chat", machine__load_average_at_start=2.5)
+    joined = join_runs([code, chat])
+    assert [r["workload"] for r in joined["service"]] == ["code"] * 3 + ["chat"] * 3
+    assert [w["name"] for w in joined["setup"]["service_workloads"]] == ["code", "chat"]
+    assert [r["load_average_at_start"] for r in joined["runs"]] == [code["machine"]["load_average_at_start"], 2.5]
+    assert "load_average_at_start" not in joined["machine"]
+    assert joined["duration_s"] == pytest.approx(code["duration_s"] + chat["duration_s"])
+    assert [row.split("|")[1].strip() for row in load_aware_rows(joined["service"])[2:]] == ["code", "chat"]
+    for path, doc in (("code.json", code), ("chat.json", chat)):
+        (tmp_path / path).write_text(json.dumps(doc))
+    assert suite.main(["--render", str(tmp_path / "code.json"), str(tmp_path / "chat.json"),
+                       "--out", str(tmp_path / "both")]) == 0
+    page = (tmp_path / "both" / "results.md").read_text()
+    assert "Joined from 2 runs of one commit" in page and "--workloads chat" in page and "load average 2.5" in page
+    assert (tmp_path / "both" / "load_aware.png").exists()
+    with pytest.raises(suite.SpecserveError, match="give --out"):
+        suite.main(["--render", str(tmp_path / "code.json"), str(tmp_path / "chat.json")])
+
+    # what would make the ratios side by side misleading is refused, with what differs
+    with pytest.raises(JoinError, match="machine git_commit"):
+        join_runs([code, _saved_run("chat", machine__git_commit="0000000")])
+    with pytest.raises(JoinError, match="setup service_max_tokens"):
+        join_runs([code, _saved_run("chat", setup__service_max_tokens=96)])
+    with pytest.raises(JoinError, match="workload code is in"):
+        join_runs([code, _saved_run("code")])
+    assert join_runs([code]) is code
 
 
 def test_service_runs_sum_the_policys_decisions_and_report_the_off_share():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specserve.benchmarks.report import PLOTS
+from specserve.benchmarks.report import PLOTS, load_aware_levels
 
 
 def _pyplot():
@@ -35,6 +35,9 @@ def write_plots(doc: dict, out_dir: Path) -> dict[str, str]:
                                                 [("throughput_tok_s", "tokens/s (all streams)")])
         written["latency"] = _vs_concurrency(service, out_dir / PLOTS["latency"][0],
                                              [("ttft_p99_s", "TTFT p99 (s)"), ("itl_p99_s", "ITL p99 (s)")])
+    levels = load_aware_levels(service)
+    if levels:
+        written["load_aware"] = _load_aware(levels, out_dir / PLOTS["load_aware"][0])
     return written
 
 
@@ -64,6 +67,37 @@ def _speedup(runs: list[dict], path: Path, batch: int) -> str:
     ax.set_title(f"Library mode, batch {batch}: speedup over specserve none (✗ = output differs from target-only)",
                  fontsize=10)
     ax.legend(title="workload")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.name
+
+
+def _load_aware(levels: list[dict], path: Path) -> str:
+    """Adaptive's ratios per level against the preset's goals (0.95x the better fixed setting, 1.0x
+    always on at 1 stream): ratios, not tok/s, because a 5% gap vanishes on a 1-16 stream axis."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for workload in dict.fromkeys(lv["workload"] for lv in levels):
+        mine = [lv for lv in levels if lv["workload"] == workload]
+        streams = [lv["streams"] for lv in mine]
+        line, = ax.plot(streams, [lv["vs_better_fixed"] for lv in mine], marker="o",
+                        label=f"{workload}: adaptive / better fixed")
+        ax.plot(streams, [lv["vs_on"] for lv in mine], marker="x", linestyle=":", color=line.get_color(),
+                label=f"{workload}: adaptive / always on")
+        for lv in mine:
+            ax.annotate(f"{lv['vs_better_fixed']:.2f}", (lv["streams"], lv["vs_better_fixed"]),
+                        textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+    ax.axhline(0.95, color="red", linewidth=0.8, linestyle="--", label="goal: 0.95x the better fixed")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    all_streams = sorted({lv["streams"] for lv in levels})
+    ax.set_xticks(all_streams)
+    ax.set_xticklabels([str(s) for s in all_streams])
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("tok/s ratio")
+    ax.set_title("Load-aware speculation: adaptive against fixed settings", fontsize=10)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -14,6 +14,8 @@ PLOTS = {
     "batch": ("batch_throughput.png", "Library mode: tokens/s against batch size"),
     "throughput": ("service_throughput.png", "Service mode: throughput against concurrent streams"),
     "latency": ("service_latency.png", "Service mode: p99 time to first token and inter-token latency"),
+    "load_aware": ("load_aware.png", "Load-aware speculation: adaptive over the better fixed setting and over always "
+                                     "on, per number of streams"),
 }
 
 COLUMNS = """\
@@ -228,13 +230,15 @@ def _is_adaptive(run: dict) -> bool:
     return "policy=adaptive" in run["system"]
 
 
-def load_aware_rows(runs: list[dict]) -> list[str]:
+def load_aware_levels(runs: list[dict]) -> list[dict]:
     """Adaptive speculation against always off and always on, per workload and concurrency.
 
-    A row needs, at one workload and concurrency, target-only (`none`), one fixed speculative
-    setting and the same method with `policy=adaptive`; without that the table is empty.
+    A level needs, at one workload and concurrency, target-only (`none`), one fixed speculative
+    setting and the same method with `policy=adaptive`, each with tokens; levels without them are
+    left out. Each level: workload, streams, off / on / adaptive tok/s, adaptive's ratio to the
+    better fixed setting and to always on, and the share of adaptive's rounds that speculated.
     """
-    rows = []
+    levels = []
     for workload in dict.fromkeys(r["workload"] for r in runs):
         for streams in sorted({r["concurrency"] for r in runs if r["workload"] == workload}):
             level = [r for r in runs if r["workload"] == workload and r["concurrency"] == streams
@@ -249,9 +253,17 @@ def load_aware_rows(runs: list[dict]) -> list[str]:
             if not (t_off > 0 and t_on > 0):  # nothing generated: no ratio to show
                 continue
             share = adaptive.get("speculation_off_share")
-            speculating = "-" if share is None else f"{100 * (1 - share):.0f}%"
-            rows.append(f"| {workload} | {streams} | {t_off:.2f} | {t_on:.2f} | {t_ad:.2f} "
-                        f"| {t_ad / max(t_on, t_off):.2f}x | {t_ad / t_on:.2f}x | {speculating} |")
+            levels.append({"workload": workload, "streams": streams, "off": t_off, "on": t_on, "adaptive": t_ad,
+                           "vs_better_fixed": t_ad / max(t_on, t_off), "vs_on": t_ad / t_on,
+                           "speculated": None if share is None else 1 - share})
+    return levels
+
+
+def load_aware_rows(runs: list[dict]) -> list[str]:
+    """`load_aware_levels` as a Markdown table (empty without a level)."""
+    rows = [f"| {lv['workload']} | {lv['streams']} | {lv['off']:.2f} | {lv['on']:.2f} | {lv['adaptive']:.2f} "
+            f"| {lv['vs_better_fixed']:.2f}x | {lv['vs_on']:.2f}x | {_f(lv['speculated'], '{:.0%}')} |"
+            for lv in load_aware_levels(runs)]
     if not rows:
         return []
     return ["| workload | streams | always off | always on | adaptive | adaptive / better fixed "
@@ -325,6 +337,69 @@ def kept_sections(page: str) -> list[str]:
     return [m.group(0) for m in KEPT_SECTION.finditer(page)]
 
 
+# What runs joined into one page must share: the code, the machine type and the software on it.
+JOIN_MACHINE_KEYS = ("cpu", "cores", "dtype", "python", "torch", "transformers", "ray", "vllm", "git_commit")
+PER_WORKLOAD_SETUP_KEYS = ("workloads", "service_workloads")
+
+
+class JoinError(ValueError):
+    """Runs that cannot be read as one: another commit, machine type or setting, or a workload twice."""
+
+
+def join_runs(docs: list[dict]) -> dict:
+    """One document from runs of one setup split by workload (a sweep too long for one sitting,
+    run a workload at a time). The runs must share the commit, the machine type and software,
+    and every setting but the workloads, and no workload may come from two runs: ratios stay
+    within a run, the page only puts them side by side. Each run's command, start, duration and
+    load averages are kept under "runs"."""
+    if len(docs) == 1:
+        return docs[0]
+    first = docs[0]
+    for doc in docs[1:]:
+        machine = [k for k in JOIN_MACHINE_KEYS if doc["machine"].get(k) != first["machine"].get(k)]
+        setup = [k for k in set(first["setup"]) | set(doc["setup"])
+                 if k not in PER_WORKLOAD_SETUP_KEYS and doc["setup"].get(k) != first["setup"].get(k)]
+        if machine or setup:
+            raise JoinError(f"`{doc['command']}` differs from `{first['command']}` in "
+                            + ", ".join([*(f"machine {k}" for k in machine), *(f"setup {k}" for k in sorted(setup))]))
+    seen: dict[str, str] = {}
+    for doc in docs:
+        for workload in {r["workload"] for r in doc.get("library", []) + doc.get("service", [])}:
+            if workload in seen:
+                raise JoinError(f"workload {workload} is in `{seen[workload]}` and in `{doc['command']}`")
+            seen[workload] = doc["command"]
+    machine = {k: v for k, v in first["machine"].items() if not k.startswith("load_average")}
+    return {
+        **first,
+        "runs": [{"command": d["command"], "started": d["started"], "duration_s": d["duration_s"],
+                  "partial": d.get("partial", False),
+                  **{k: v for k, v in d["machine"].items() if k.startswith("load_average")}} for d in docs],
+        "duration_s": sum(d["duration_s"] for d in docs),
+        "partial": any(d.get("partial") for d in docs),
+        "phases": {},
+        "machine": machine,
+        "setup": {**first["setup"], **{k: [w for d in docs for w in d["setup"].get(k, [])]
+                                       for k in PER_WORKLOAD_SETUP_KEYS}},
+        **{k: [r for d in docs for r in d.get(k, [])] for k in ("library", "vllm_settings", "service")},
+        "memory": {k: v for d in docs for k, v in (d.get("memory") or {}).items()},
+        "notes": list(dict.fromkeys(n for d in docs for n in d.get("notes", []))),
+    }
+
+
+def _measured_by(doc: dict) -> str:
+    def one(run: dict) -> str:
+        load = (f", load average {run['load_average_at_start']} at the start, {run.get('load_average_at_end', '-')} "
+                f"at the end" if "load_average_at_start" in run else "")
+        return (f"`{run['command']}` on {run['started'][:16].replace('T', ' ')} UTC "
+                f"({run['duration_s'] / 60:.1f} minutes{load}{', partial' if run.get('partial') else ''})")
+
+    runs = doc.get("runs")
+    if not runs:
+        return f"Measured by {one({**doc, 'partial': False})}."
+    return (f"Joined from {len(runs)} runs of one commit and setup on one machine type, one workload each "
+            f"(ratios are within a run): " + "; ".join(one(r) for r in runs) + ".")
+
+
 def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmarks") -> str:
     setup = doc["setup"]
     out = [f"# {title}", ""]
@@ -335,8 +410,7 @@ def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmar
         out += ["> **Partial results**: the run was interrupted or is still going; passes not yet finished are "
                 "missing below.", ""]
     out += [
-        f"Measured by `{doc['command']}` on {doc['started'][:16].replace('T', ' ')} UTC "
-        f"({doc['duration_s'] / 60:.1f} minutes). specserve and its peers took turns on this machine "
+        f"{_measured_by(doc)} specserve and its peers took turns on this machine "
         f"({setup.get('repeats', 1)} pass{'es' if setup.get('repeats', 1) != 1 else ''}, A B .. B A), on the same "
         "prompts (the same token ids), the same weights and the same stop ids; speedups are ratios against "
         "specserve `none` (target-only decoding) measured in the same run.", "",
@@ -365,7 +439,7 @@ def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmar
             "Each run writes `results.json` (every number, every output's token ids, the machine), `results.md` "
             "(this page) and the PNG plots to `--out` (default `bench-results/<time>/`). `--docs docs` also "
             "writes them as `docs/BENCHMARKS.md` and `docs/bench/*.png`; `--render results.json` renders a "
-            "saved run again. Runs of one preset (every proposer, Medusa, load-aware speculation, ...) are kept "
+            "saved run again (several, runs of one commit with one workload each, join into one page). Runs of one preset (every proposer, Medusa, load-aware speculation, ...) are kept "
             "in `docs/bench/` and listed in [docs/bench/README.md](bench/README.md).", ""]
     return "\n".join(out)
 
@@ -449,6 +523,6 @@ def _service(doc: dict, image_prefix: str) -> list[str]:
     if load_aware:
         out += ["### Load-aware speculation against fixed settings", "",
                 "tok/s of each setting (above) and adaptive's ratio to the better of always off and always on "
-                "at the same concurrency.", "", *load_aware, ""]
+                "at the same concurrency.", "", *load_aware, "", *_plots(doc, ("load_aware",), image_prefix)]
     out += _plots(doc, ("throughput", "latency"), image_prefix)
     return out

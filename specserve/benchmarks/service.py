@@ -11,6 +11,7 @@ chunk) come from the arrival times of the server-sent events.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 from specserve.benchmarks.http import run_level, start_server, stop_server, wait_healthy
@@ -62,17 +63,19 @@ def _log_tail(path: Path, lines: int = 5) -> str:
 
 def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None, url: str, max_tokens: int,
                 requests: int, concurrency: list[int], log_path: Path, bar, repeats: int = 1,
-                startup_timeout_s: float = 900) -> list[ServiceRun]:
+                startup_timeout_s: float = 900,
+                level_done: Callable[[list[ServiceRun]], None] | None = None) -> list[ServiceRun]:
     """At concurrency c each workload sends its first max(requests, c) prompts over c streams,
     once per system per pass; the systems take turns, A B .. B A, in `repeats` passes whose
     tokens and wall times add up. Starts `serve run MANIFEST` for the sweep; with no manifest,
-    measures the server at ``url``."""
+    measures the server at ``url``. `level_done` gets the runs of every level finished so far
+    after each (concurrency, workload) level, so a long sweep keeps what it measured."""
     import httpx
 
-    cells = [(c, w, ids, s) for c in concurrency for w, ids in encoded for s in systems]
+    levels = [(c, w, ids) for c in concurrency for w, ids in encoded]
+    cells = [(c, w, ids, s) for c, w, ids in levels for s in systems]
     # the measuring order: at each concurrency and workload the systems take turns, A B .. B A
-    turns = [(c, w, ids, s) for c in concurrency for w, ids in encoded for rep in range(repeats)
-             for s in (systems if rep % 2 == 0 else systems[::-1])]
+    turns = [s for rep in range(repeats) for s in (systems if rep % 2 == 0 else systems[::-1])]
     bar.set_description("serve run (starting)" if manifest else f"server at {url}")
     server = start_server(manifest, str(log_path)) if manifest else None
     try:
@@ -80,7 +83,7 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
             wait_healthy(url, startup_timeout_s, server)
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         except Exception as exc:
-            bar.update(len(turns))
+            bar.update(len(levels) * len(turns))
             reason = f"the server did not start: {exc} (log {log_path}: {_log_tail(log_path)})"
             return [ServiceRun(s.name, s.method, w.name, c, status=CANNOT_RUN, reason=reason) for c, w, _, s in cells]
         refused = {}
@@ -91,17 +94,22 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
             except Exception as exc:
                 refused[system.name] = str(exc).splitlines()[0][:300]
         runs = {(c, w.name, s.name): ServiceRun(s.name, s.method, w.name, c) for c, w, _, s in cells}
-        for c, workload, prompt_ids, system in turns:
-            bar.set_description(f"{system.name} x{c} {workload.name}")
-            run = runs[c, workload.name, system.name]
-            if system.name in refused:
-                run.status, run.reason = CANNOT_RUN, refused[system.name]
-            elif run.status == OK:  # a pass that failed ends the cell's measuring
-                try:
-                    measure(run, url, model, prompt_ids[:max(requests, c)], max_tokens, speculation(system))
-                except Exception as exc:
-                    run.status, run.reason = FAILED, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-            bar.update(1)
+        finished = []
+        for c, workload, prompt_ids in levels:
+            for system in turns:
+                bar.set_description(f"{system.name} x{c} {workload.name}")
+                run = runs[c, workload.name, system.name]
+                if system.name in refused:
+                    run.status, run.reason = CANNOT_RUN, refused[system.name]
+                elif run.status == OK:  # a pass that failed ends the cell's measuring
+                    try:
+                        measure(run, url, model, prompt_ids[:max(requests, c)], max_tokens, speculation(system))
+                    except Exception as exc:
+                        run.status, run.reason = FAILED, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                bar.update(1)
+            finished += [runs[c, workload.name, s.name] for s in systems]
+            if level_done is not None:
+                level_done(list(finished))
         return list(runs.values())
     finally:
         if server is not None:

@@ -107,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch threads in library mode (default: all cores)")
     p.add_argument("--out", help="output directory (default bench-results/<time>)")
     p.add_argument("--docs", help="also write DOCS/BENCHMARKS.md and DOCS/bench/*.png")
-    p.add_argument("--render", metavar="RESULTS_JSON", help="only render a saved results.json again (to --out/--docs)")
+    p.add_argument("--render", metavar="RESULTS_JSON", nargs="+",
+                   help="only render a saved results.json again (to --out/--docs); several: runs of one commit and "
+                        "setup, one workload each (a long sweep run a workload at a time), joined into one page "
+                        "(give --out)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -144,9 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.render:
-        doc = json.loads(Path(args.render).read_text())
-        out = Path(args.out) if args.out else Path(args.render).parent
-        write_outputs(doc, out, args.docs)
+        if len(args.render) > 1 and not args.out:
+            raise SpecserveError("--render with several results.json files: give --out for the joined page")
+        try:
+            doc = report.join_runs([json.loads(Path(path).read_text()) for path in args.render])
+        except report.JoinError as exc:
+            raise SpecserveError(f"--render: these runs cannot be joined: {exc}") from None
+        write_outputs(doc, Path(args.out) if args.out else Path(args.render[0]).parent, args.docs)
         return 0
     resolve_defaults(args)
     check_args(args)
@@ -236,7 +243,7 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
 
     if lib_systems:
         _library_mode(args, lib_systems, cells, stop_ids, doc, out, bar, save_partial)
-    doc["service"] = _service_mode(args, svc_systems, svc_encoded, out, bar, doc["phases"])
+    doc["service"] = _service_mode(args, svc_systems, svc_encoded, out, bar, doc["phases"], save_partial)
     bar.close()
     machine["load_average_at_end"] = round(os.getloadavg()[0], 2)
     doc.update(partial=False, duration_s=time.monotonic() - t0)
@@ -415,7 +422,7 @@ def _trained_on_note(described: list[dict]) -> str | None:
             "acceptance may look better than it is.") if seen else None
 
 
-def _service_mode(args, svc_systems, encoded, out, bar, phases) -> list[dict]:
+def _service_mode(args, svc_systems, encoded, out, bar, phases, save_partial) -> list[dict]:
     if not svc_systems:
         return []
     started = time.monotonic()
@@ -432,9 +439,15 @@ def _service_mode(args, svc_systems, encoded, out, bar, phases) -> list[dict]:
     runs = service.run_service(svc_systems, encoded, manifest=None if args.url else manifest, url=url.rstrip("/"),
                                max_tokens=args.service_max_tokens, requests=args.service_requests,
                                repeats=args.service_repeats,
-                               concurrency=args.concurrency, log_path=out / "serve.log", bar=bar)
-    systems.compare_service(runs)
+                               concurrency=args.concurrency, log_path=out / "serve.log", bar=bar,
+                               level_done=lambda finished: save_partial(service=_compared(finished)))
     phases["service_s"] = time.monotonic() - started
+    return _compared(runs)
+
+
+def _compared(runs: list) -> list[dict]:
+    """Speedups against the same level's target-only run, as the document's dicts."""
+    systems.compare_service(runs)
     return [r.as_dict() for r in runs]
 
 
