@@ -582,19 +582,35 @@ def test_runs_of_one_commit_split_by_workload_render_as_one_page(tmp_path):
     assert suite.main(["--render", str(tmp_path / "code.json"), str(tmp_path / "chat.json"),
                        "--out", str(tmp_path / "both")]) == 0
     page = (tmp_path / "both" / "results.md").read_text()
-    assert "Joined from 2 runs of one commit" in page and "--workloads chat" in page and "load average 2.5" in page
+    assert "Joined from 2 runs of one setup on one machine type (one commit)" in page and "--workloads chat" in page and "load average 2.5" in page
     assert (tmp_path / "both" / "load_aware.png").exists()
     with pytest.raises(suite.SpecserveError, match="give --out"):
         suite.main(["--render", str(tmp_path / "code.json"), str(tmp_path / "chat.json")])
 
     # what would make the ratios side by side misleading is refused, with what differs
+    other_commit = _saved_run("chat", machine__git_commit="f0a3bec")
     with pytest.raises(JoinError, match="machine git_commit"):
-        join_runs([code, _saved_run("chat", machine__git_commit="0000000")])
+        join_runs([code, other_commit])
+    with pytest.raises(JoinError, match="machine git_commit"):
+        join_runs([code, other_commit], same_code=lambda a, b: False)
+    later = join_runs([code, other_commit], same_code=lambda a, b: True)  # e.g. only the harness changed
+    assert [r["git_commit"] for r in later["runs"]] == ["c37ef8f", "f0a3bec"]
     with pytest.raises(JoinError, match="setup service_max_tokens"):
         join_runs([code, _saved_run("chat", setup__service_max_tokens=96)])
     with pytest.raises(JoinError, match="workload code is in"):
         join_runs([code, _saved_run("code")])
     assert join_runs([code]) is code
+
+
+def test_commits_that_differ_only_in_the_bench_harness_measured_the_same_code():
+    import subprocess
+
+    root = pathlib.Path(__file__).parents[1]
+    if subprocess.run(["git", "-C", str(root), "cat-file", "-e", "c37ef8f^{commit}"], capture_output=True).returncode:
+        pytest.skip("this checkout has no history to compare")
+    assert suite.same_measured_code("f0a3bec", "76b4933")  # the harness keeps partial levels: nothing measured
+    assert not suite.same_measured_code("c37ef8f", "f0a3bec")  # the router and pools changed
+    assert not suite.same_measured_code("c37ef8f", "no-such-commit")
 
 
 def test_service_runs_sum_the_policys_decisions_and_report_the_off_share():

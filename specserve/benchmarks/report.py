@@ -7,6 +7,7 @@ Everything here reads the JSON dict only, so a report can be rendered again from
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 PLOTS = {
@@ -338,7 +339,7 @@ def kept_sections(page: str) -> list[str]:
 
 
 # What runs joined into one page must share: the code, the machine type and the software on it.
-JOIN_MACHINE_KEYS = ("cpu", "cores", "dtype", "python", "torch", "transformers", "ray", "vllm", "git_commit")
+JOIN_MACHINE_KEYS = ("cpu", "cores", "dtype", "python", "torch", "transformers", "ray", "vllm")
 PER_WORKLOAD_SETUP_KEYS = ("workloads", "service_workloads")
 
 
@@ -346,17 +347,22 @@ class JoinError(ValueError):
     """Runs that cannot be read as one: another commit, machine type or setting, or a workload twice."""
 
 
-def join_runs(docs: list[dict]) -> dict:
+def join_runs(docs: list[dict], same_code: Callable[[str, str], bool] | None = None) -> dict:
     """One document from runs of one setup split by workload (a sweep too long for one sitting,
     run a workload at a time). The runs must share the commit, the machine type and software,
     and every setting but the workloads, and no workload may come from two runs: ratios stay
-    within a run, the page only puts them side by side. Each run's command, start, duration and
-    load averages are kept under "runs"."""
+    within a run, the page only puts them side by side. `same_code(commit_a, commit_b)` may
+    accept two commits whose measured code is the same (the CLI asks git whether anything
+    outside the bench harness, the docs and the tests changed between them). Each run's command,
+    start, duration, commit and load averages are kept under "runs"."""
     if len(docs) == 1:
         return docs[0]
     first = docs[0]
     for doc in docs[1:]:
         machine = [k for k in JOIN_MACHINE_KEYS if doc["machine"].get(k) != first["machine"].get(k)]
+        commits = first["machine"].get("git_commit"), doc["machine"].get("git_commit")
+        if commits[0] != commits[1] and not (same_code and None not in commits and same_code(*commits)):
+            machine.append("git_commit (and the code it measured)")
         setup = [k for k in set(first["setup"]) | set(doc["setup"])
                  if k not in PER_WORKLOAD_SETUP_KEYS and doc["setup"].get(k) != first["setup"].get(k)]
         if machine or setup:
@@ -372,7 +378,7 @@ def join_runs(docs: list[dict]) -> dict:
     return {
         **first,
         "runs": [{"command": d["command"], "started": d["started"], "duration_s": d["duration_s"],
-                  "partial": d.get("partial", False),
+                  "partial": d.get("partial", False), "git_commit": d["machine"].get("git_commit"),
                   **{k: v for k, v in d["machine"].items() if k.startswith("load_average")}} for d in docs],
         "duration_s": sum(d["duration_s"] for d in docs),
         "partial": any(d.get("partial") for d in docs),
@@ -390,13 +396,16 @@ def _measured_by(doc: dict) -> str:
     def one(run: dict) -> str:
         load = (f", load average {run['load_average_at_start']} at the start, {run.get('load_average_at_end', '-')} "
                 f"at the end" if "load_average_at_start" in run else "")
+        commit = f", commit {run['git_commit']}" if run.get("git_commit") else ""
         return (f"`{run['command']}` on {run['started'][:16].replace('T', ' ')} UTC "
-                f"({run['duration_s'] / 60:.1f} minutes{load}{', partial' if run.get('partial') else ''})")
+                f"({run['duration_s'] / 60:.1f} minutes{commit}{load}{', partial' if run.get('partial') else ''})")
 
     runs = doc.get("runs")
     if not runs:
         return f"Measured by {one({**doc, 'partial': False})}."
-    return (f"Joined from {len(runs)} runs of one commit and setup on one machine type, one workload each "
+    same = ("one commit" if len({r.get("git_commit") for r in runs}) == 1
+            else "commits that differ only in the bench harness, docs and tests")
+    return (f"Joined from {len(runs)} runs of one setup on one machine type ({same}), one workload each "
             f"(ratios are within a run): " + "; ".join(one(r) for r in runs) + ".")
 
 

@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(args.render) > 1 and not args.out:
             raise SpecserveError("--render with several results.json files: give --out for the joined page")
         try:
-            doc = report.join_runs([json.loads(Path(path).read_text()) for path in args.render])
+            doc = report.join_runs([json.loads(Path(path).read_text()) for path in args.render],
+                                   same_code=same_measured_code)
         except report.JoinError as exc:
             raise SpecserveError(f"--render: these runs cannot be joined: {exc}") from None
         write_outputs(doc, Path(args.out) if args.out else Path(args.render[0]).parent, args.docs)
@@ -443,6 +444,22 @@ def _service_mode(args, svc_systems, encoded, out, bar, phases, save_partial) ->
                                level_done=lambda finished: save_partial(service=_compared(finished)))
     phases["service_s"] = time.monotonic() - started
     return _compared(runs)
+
+
+# What a run does not measure: the harness that drives it, the docs and the tests.
+NOT_MEASURED = (":(exclude)specserve/benchmarks", ":(exclude)docs", ":(exclude)tests", ":(exclude)*.md")
+
+
+def same_measured_code(commit_a: str, commit_b: str) -> bool:
+    """Whether git finds no change between the commits outside `NOT_MEASURED` (false where it
+    cannot tell: not a checkout, or a commit it does not have)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        diff = subprocess.run(["git", "-C", str(root), "diff", "--quiet", commit_a, commit_b, "--", ".",
+                               *NOT_MEASURED], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return diff.returncode == 0
 
 
 def _compared(runs: list) -> list[dict]:
