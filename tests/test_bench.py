@@ -562,11 +562,14 @@ def _saved_run(workload: str, **changes) -> dict:
     doc["setup"]["service_workloads"] = [{**w, "name": workload} for w in doc["setup"]["service_workloads"]]
     for key, value in changes.items():
         section, _, name = key.partition("__")
-        doc[section][name] = value
+        if name:
+            doc[section][name] = value
+        else:
+            doc[key] = value
     return doc
 
 
-def test_runs_of_one_commit_split_by_workload_render_as_one_page(tmp_path):
+def test_pieces_of_one_sweep_split_by_workload_or_level_render_as_one_page(tmp_path):
     from specserve.benchmarks.report import JoinError, join_runs, load_aware_rows
 
     code, chat = _saved_run("code"), _saved_run("chat", machine__load_average_at_start=2.5)
@@ -597,8 +600,17 @@ def test_runs_of_one_commit_split_by_workload_render_as_one_page(tmp_path):
     assert [r["git_commit"] for r in later["runs"]] == ["c37ef8f", "f0a3bec"]
     with pytest.raises(JoinError, match="setup service_max_tokens"):
         join_runs([code, _saved_run("chat", setup__service_max_tokens=96)])
-    with pytest.raises(JoinError, match="workload code is in"):
+    with pytest.raises(JoinError, match="service code at 8 is in"):
         join_runs([code, _saved_run("code")])
+
+    # or split by level: a run cut short keeps its finished levels, another run measures the rest
+    at_16 = _saved_run("code", setup__concurrency=[16], partial=True)
+    at_16["service"] = [{**r, "concurrency": 16} for r in at_16["service"]]
+    by_level = join_runs([code, at_16])
+    assert by_level["setup"]["concurrency"] == [8, 16] and not by_level["partial"]
+    assert [w["name"] for w in by_level["setup"]["service_workloads"]] == ["code"]
+    assert [row.split("|")[2].strip() for row in load_aware_rows(by_level["service"])[2:]] == ["8", "16"]
+    assert "cut short, its finished levels only" in suite.report.markdown(by_level)
     assert join_runs([code]) is code
 
 

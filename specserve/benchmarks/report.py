@@ -340,21 +340,35 @@ def kept_sections(page: str) -> list[str]:
 
 # What runs joined into one page must share: the code, the machine type and the software on it.
 JOIN_MACHINE_KEYS = ("cpu", "cores", "dtype", "python", "torch", "transformers", "ray", "vllm")
-PER_WORKLOAD_SETUP_KEYS = ("workloads", "service_workloads")
+# Setup lists that runs split by workload or level may differ in: the page shows their union.
+SPLIT_SETUP_KEYS = ("workloads", "service_workloads", "concurrency", "batch_sizes")
 
 
 class JoinError(ValueError):
-    """Runs that cannot be read as one: another commit, machine type or setting, or a workload twice."""
+    """Runs that cannot be read as one: another commit, machine type or setting, or a level twice."""
+
+
+def _levels(doc: dict) -> set[tuple]:
+    return ({("library", r["workload"], r.get("batch", 1)) for r in doc.get("library", [])}
+            | {("service", r["workload"], r["concurrency"]) for r in doc.get("service", [])})
+
+
+def _union(values: list) -> list:
+    """Workload descriptions once per name, numbers sorted."""
+    if all(isinstance(v, dict) for v in values):
+        return list({v["name"]: v for v in values}.values())
+    return sorted(set(values))
 
 
 def join_runs(docs: list[dict], same_code: Callable[[str, str], bool] | None = None) -> dict:
-    """One document from runs of one setup split by workload (a sweep too long for one sitting,
-    run a workload at a time). The runs must share the commit, the machine type and software,
-    and every setting but the workloads, and no workload may come from two runs: ratios stay
-    within a run, the page only puts them side by side. `same_code(commit_a, commit_b)` may
-    accept two commits whose measured code is the same (the CLI asks git whether anything
+    """One document from runs of one setup split by workload or level (a sweep too long for one
+    sitting, run a workload or a few concurrency levels at a time). The runs must share the
+    code, the machine type and software, and every setting but the workloads and levels, and no
+    level of a workload may come from two runs: ratios stay within a run (a run keeps only the
+    levels it finished), the page only puts them side by side. `same_code(commit_a, commit_b)`
+    may accept two commits whose measured code is the same (the CLI asks git whether anything
     outside the bench harness, the docs and the tests changed between them). Each run's command,
-    start, duration, commit and load averages are kept under "runs"."""
+    start, duration, commit, load averages and whether it was cut short are kept under "runs"."""
     if len(docs) == 1:
         return docs[0]
     first = docs[0]
@@ -364,16 +378,17 @@ def join_runs(docs: list[dict], same_code: Callable[[str, str], bool] | None = N
         if commits[0] != commits[1] and not (same_code and None not in commits and same_code(*commits)):
             machine.append("git_commit (and the code it measured)")
         setup = [k for k in set(first["setup"]) | set(doc["setup"])
-                 if k not in PER_WORKLOAD_SETUP_KEYS and doc["setup"].get(k) != first["setup"].get(k)]
+                 if k not in SPLIT_SETUP_KEYS and doc["setup"].get(k) != first["setup"].get(k)]
         if machine or setup:
             raise JoinError(f"`{doc['command']}` differs from `{first['command']}` in "
                             + ", ".join([*(f"machine {k}" for k in machine), *(f"setup {k}" for k in sorted(setup))]))
-    seen: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
     for doc in docs:
-        for workload in {r["workload"] for r in doc.get("library", []) + doc.get("service", [])}:
-            if workload in seen:
-                raise JoinError(f"workload {workload} is in `{seen[workload]}` and in `{doc['command']}`")
-            seen[workload] = doc["command"]
+        for level in sorted(_levels(doc)):
+            if level in seen:
+                mode, workload, n = level
+                raise JoinError(f"{mode} {workload} at {n} is in `{seen[level]}` and in `{doc['command']}`")
+            seen[level] = doc["command"]
     machine = {k: v for k, v in first["machine"].items() if not k.startswith("load_average")}
     return {
         **first,
@@ -381,11 +396,11 @@ def join_runs(docs: list[dict], same_code: Callable[[str, str], bool] | None = N
                   "partial": d.get("partial", False), "git_commit": d["machine"].get("git_commit"),
                   **{k: v for k, v in d["machine"].items() if k.startswith("load_average")}} for d in docs],
         "duration_s": sum(d["duration_s"] for d in docs),
-        "partial": any(d.get("partial") for d in docs),
+        "partial": False,  # a run cut short keeps its finished levels; "runs" says which was
         "phases": {},
         "machine": machine,
-        "setup": {**first["setup"], **{k: [w for d in docs for w in d["setup"].get(k, [])]
-                                       for k in PER_WORKLOAD_SETUP_KEYS}},
+        "setup": {**first["setup"], **{k: _union([v for d in docs for v in d["setup"].get(k) or []])
+                                       for k in SPLIT_SETUP_KEYS}},
         **{k: [r for d in docs for r in d.get(k, [])] for k in ("library", "vllm_settings", "service")},
         "memory": {k: v for d in docs for k, v in (d.get("memory") or {}).items()},
         "notes": list(dict.fromkeys(n for d in docs for n in d.get("notes", []))),
@@ -398,15 +413,16 @@ def _measured_by(doc: dict) -> str:
                 f"at the end" if "load_average_at_start" in run else "")
         commit = f", commit {run['git_commit']}" if run.get("git_commit") else ""
         return (f"`{run['command']}` on {run['started'][:16].replace('T', ' ')} UTC "
-                f"({run['duration_s'] / 60:.1f} minutes{commit}{load}{', partial' if run.get('partial') else ''})")
+                f"({run['duration_s'] / 60:.1f} minutes{commit}{load}"
+                f"{'; cut short, its finished levels only' if run.get('partial') else ''})")
 
     runs = doc.get("runs")
     if not runs:
         return f"Measured by {one({**doc, 'partial': False})}."
     same = ("one commit" if len({r.get("git_commit") for r in runs}) == 1
             else "commits that differ only in the bench harness, docs and tests")
-    return (f"Joined from {len(runs)} runs of one setup on one machine type ({same}), one workload each "
-            f"(ratios are within a run): " + "; ".join(one(r) for r in runs) + ".")
+    return (f"Joined from {len(runs)} runs of one setup on one machine type ({same}), each with its own "
+            f"workloads or levels (ratios are within a run): " + "; ".join(one(r) for r in runs) + ".")
 
 
 def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmarks") -> str:
@@ -448,7 +464,7 @@ def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmar
             "Each run writes `results.json` (every number, every output's token ids, the machine), `results.md` "
             "(this page) and the PNG plots to `--out` (default `bench-results/<time>/`). `--docs docs` also "
             "writes them as `docs/BENCHMARKS.md` and `docs/bench/*.png`; `--render results.json` renders a "
-            "saved run again (several, runs of one commit with one workload each, join into one page). Runs of one preset (every proposer, Medusa, load-aware speculation, ...) are kept "
+            "saved run again (several, pieces of one sweep, join into one page). Runs of one preset (every proposer, Medusa, load-aware speculation, ...) are kept "
             "in `docs/bench/` and listed in [docs/bench/README.md](bench/README.md).", ""]
     return "\n".join(out)
 

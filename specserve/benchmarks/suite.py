@@ -108,9 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (default bench-results/<time>)")
     p.add_argument("--docs", help="also write DOCS/BENCHMARKS.md and DOCS/bench/*.png")
     p.add_argument("--render", metavar="RESULTS_JSON", nargs="+",
-                   help="only render a saved results.json again (to --out/--docs); several: runs of one commit and "
-                        "setup, one workload each (a long sweep run a workload at a time), joined into one page "
-                        "(give --out)")
+                   help="only render a saved results.json again (to --out/--docs); several: runs of one setup and "
+                        "the same measured code, each with its own workloads or levels (a long sweep run in "
+                        "pieces), joined into one page (give --out)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
