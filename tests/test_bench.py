@@ -585,7 +585,8 @@ def test_pieces_of_one_sweep_split_by_workload_or_level_render_as_one_page(tmp_p
     assert suite.main(["--render", str(tmp_path / "code.json"), str(tmp_path / "chat.json"),
                        "--out", str(tmp_path / "both")]) == 0
     page = (tmp_path / "both" / "results.md").read_text()
-    assert "Joined from 2 runs of one setup on one machine type (one commit)" in page and "--workloads chat" in page and "load average 2.5" in page
+    assert "Joined from 2 runs of one setup on one machine type (one commit)" in page
+    assert "--workloads chat" in page and "load average 2.5" in page
     assert (tmp_path / "both" / "load_aware.png").exists()
     with pytest.raises(suite.SpecserveError, match="give --out"):
         suite.main(["--render", str(tmp_path / "code.json"), str(tmp_path / "chat.json")])

@@ -464,8 +464,9 @@ def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmar
             "Each run writes `results.json` (every number, every output's token ids, the machine), `results.md` "
             "(this page) and the PNG plots to `--out` (default `bench-results/<time>/`). `--docs docs` also "
             "writes them as `docs/BENCHMARKS.md` and `docs/bench/*.png`; `--render results.json` renders a "
-            "saved run again (several, pieces of one sweep, join into one page). Runs of one preset (every proposer, Medusa, load-aware speculation, ...) are kept "
-            "in `docs/bench/` and listed in [docs/bench/README.md](bench/README.md).", ""]
+            "saved run again (several, pieces of one sweep, join into one page). Runs of one preset (every "
+            "proposer, Medusa, load-aware speculation, ...) are kept in `docs/bench/` and listed in "
+            "[docs/bench/README.md](bench/README.md).", ""]
     return "\n".join(out)
 
 
