@@ -67,10 +67,7 @@ def _speedup(runs: list[dict], path: Path, batch: int) -> str:
     ax.set_title(f"Library mode, batch {batch}: speedup over specserve none (✗ = output differs from target-only)",
                  fontsize=10)
     ax.legend(title="workload")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path.name
+    return _save(plt, fig, path)
 
 
 def _load_aware(levels: list[dict], path: Path) -> str:
@@ -90,18 +87,11 @@ def _load_aware(levels: list[dict], path: Path) -> str:
                         textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
     ax.axhline(0.95, color="red", linewidth=0.8, linestyle="--", label="goal: 0.95x the better fixed")
     ax.axhline(1.0, color="gray", linewidth=0.8)
-    ax.set_xscale("log", base=2)
-    all_streams = sorted({lv["streams"] for lv in levels})
-    ax.set_xticks(all_streams)
-    ax.set_xticklabels([str(s) for s in all_streams])
-    ax.set_xlabel("concurrent streams")
+    _streams_axis(ax, sorted({lv["streams"] for lv in levels}), "concurrent streams")
     ax.set_ylabel("tok/s ratio")
     ax.set_title("Load-aware speculation: adaptive against fixed settings", fontsize=10)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path.name
+    return _save(plt, fig, path)
 
 
 def _vs_concurrency(runs: list[dict], path: Path, metrics: list[tuple[str, str]],
@@ -118,15 +108,23 @@ def _vs_concurrency(runs: list[dict], path: Path, metrics: list[tuple[str, str]]
                                 if r["system"] == system and r["workload"] == workload and r.get(key) is not None)
                 if points:
                     ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=system)
-            levels = sorted({r["concurrency"] for r in runs})
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(levels)
-            ax.set_xticklabels([str(c) for c in levels])
-            ax.set_xlabel(xlabel)
+            _streams_axis(ax, sorted({r["concurrency"] for r in runs}), xlabel)
             ax.set_ylabel(label)
             ax.set_title(f"{workload}: {label.split(' (')[0]}")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+def _streams_axis(ax, levels: list[int], xlabel: str) -> None:
+    """A log2 x axis ticked at the levels measured (1, 2, 4, ... streams or batch sizes)."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels)
+    ax.set_xticklabels([str(level) for level in levels])
+    ax.set_xlabel(xlabel)
+
+
+def _save(plt, fig, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

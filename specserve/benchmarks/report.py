@@ -373,15 +373,16 @@ def join_runs(docs: list[dict], same_code: Callable[[str, str], bool] | None = N
         return docs[0]
     first = docs[0]
     for doc in docs[1:]:
-        machine = [k for k in JOIN_MACHINE_KEYS if doc["machine"].get(k) != first["machine"].get(k)]
+        machine_differs = [k for k in JOIN_MACHINE_KEYS if doc["machine"].get(k) != first["machine"].get(k)]
         commits = first["machine"].get("git_commit"), doc["machine"].get("git_commit")
         if commits[0] != commits[1] and not (same_code and None not in commits and same_code(*commits)):
-            machine.append("git_commit (and the code it measured)")
-        setup = [k for k in set(first["setup"]) | set(doc["setup"])
-                 if k not in SPLIT_SETUP_KEYS and doc["setup"].get(k) != first["setup"].get(k)]
-        if machine or setup:
+            machine_differs.append("git_commit (and the code it measured)")
+        setup_differs = [k for k in set(first["setup"]) | set(doc["setup"])
+                         if k not in SPLIT_SETUP_KEYS and doc["setup"].get(k) != first["setup"].get(k)]
+        if machine_differs or setup_differs:
             raise JoinError(f"`{doc['command']}` differs from `{first['command']}` in "
-                            + ", ".join([*(f"machine {k}" for k in machine), *(f"setup {k}" for k in sorted(setup))]))
+                            + ", ".join([*(f"machine {k}" for k in machine_differs),
+                                         *(f"setup {k}" for k in sorted(setup_differs))]))
     seen: dict[tuple, str] = {}
     for doc in docs:
         for level in sorted(_levels(doc)):
