@@ -58,6 +58,7 @@ Pure and torch-free: the router and the library decoder feed it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 DRAFT_COSTS = ("pool", "co_located", "free")  # a draft model pool / heads in the target pass / nothing
@@ -285,6 +286,17 @@ def draft_catches_up(unseen: int, depth: int) -> bool:
     (False, True)
     """
     return unseen > 2 * (depth + 1)
+
+
+def switch_catch_up_tokens(requests: Iterable[tuple[int, int]]) -> int:
+    """The tokens draft pools must prefill to switch these requests to speculating, from each
+    one's (unseen tokens, depth): the requests whose unseen text is a catch-up
+    (draft_catches_up); one that drafted its last round is as good as synced.
+
+        >>> switch_catch_up_tokens([(5, 4), (300, 4), (40, 4)])
+        340
+    """
+    return sum(unseen for unseen, depth in requests if draft_catches_up(unseen, depth))
 
 
 @dataclass
@@ -616,8 +628,8 @@ class MeasuredModes:
     went to the next. A round's first (the prompt's prefill) is not
     counted. The goodput goes to the EMA of the epoch's mode at its level (log2 buckets of
     requests in flight); an epoch whose level changed, or that did not close within
-    `max_epoch_s` (rounds hanging), measures nothing. While a prompt prefills, an epoch takes no
-    first measurement and no exploration (`_next`). The next epoch runs the better mode,
+    `max_epoch_s` (rounds hanging), measures nothing. While a prompt prefills, no exploration
+    begins (`_next`). The next epoch runs the better mode,
     switching only for more than `hysteresis`. Now and then an epoch runs the other mode so
     both estimates stay current: first after `explore_every` epochs at a level; each
     exploration that leaves the decision as it was (ties included) doubles the wait, up to
@@ -635,9 +647,14 @@ class MeasuredModes:
     seconds later (at code 16 on 2 cores a switch warms up ~40 s, and an exploration in each
     5-minute pass cost ~10% of goodput). The level's first measurement of the model keeps to
     the same budget, by the switch's predicted cost (`switch_cost_s`: the draft pools'
-    catch-ups): until it fits, the level runs off (at code 16 the first measurement cost ~30 s
-    of a 5-minute pass, always on and always off being within 4% of each other). So does every
-    later exploration of the model, counted from the level's last switch: at code 8 a switch
+    catch-ups on every steered request past its first round): until it fits, the level runs
+    off (at code 16 a first measurement in mid-wave cost ~30 s of a 5-minute pass, always on
+    and always off being within 4% of each other). A wave's requests in their first rounds
+    cost nothing to switch (their draft pools prefill the prompts, as always on's do), so a
+    new level measures the model first, at its cheapest moment: off first, one-wave passes at
+    code 4 and 8 switched late or never (0.94x and 0.92x always on), and a switch's predicted
+    cost grows with the time the level runs off. Every later exploration of the model keeps
+    to the budget by its predicted cost too, counted from the level's last switch: at code 8 a switch
     predicted at 47 s went ahead because the last one had warmed up in a few seconds (its
     requests had just begun), and cost 12% of the pass.
     Below `min_in_flight` requests the model alone decides: a lone request has no other
@@ -836,18 +853,21 @@ class MeasuredModes:
 
     def _next(self, level: int, prefilling: bool, now: float) -> tuple[str, bool]:
         """The mode of the next epoch at `level`, and whether it explores (due by the epochs
-        since the last, and by `explore_budget`). While prompts prefill, an epoch neither
-        takes a first measurement nor explores: an epoch of the model would make the draft
-        pool catch up exactly while the target prefills; it runs the better mode so far, off
-        until both are measured."""
+        since the last, and by `explore_budget`). The level's first measurement of the model
+        keeps to the budget by what the switch would cost now (`switch_cost_s`), and so comes
+        at a wave's start, where the requests' prompts are all the draft pools have to prefill
+        and a request in its first round adds nothing to the cost (speculating at all costs
+        that; always on pays it too): off first, at code 4 and 8 streams, the switch came
+        late or not at all in a one-wave pass (0.94x and 0.92x always on). While prompts
+        prefill, an exploration does not begin: an epoch of the model would make the draft
+        pools catch up on requests that ran off exactly while the target prefills; the better
+        mode so far runs."""
         measured = self._measured(level)
         if measured.since is None:
             measured.since = now
-        if prefilling and (measured.model is None or measured.off is None):
-            return "off", False
         if measured.model is None:  # its first measurement, once the switch fits the budget
             return ("model" if self._switch_fits(measured, now) else "off"), False
-        if measured.off is None:
+        if measured.off is None:  # a switch to off costs nothing: at once
             return "off", False
         best = next((mode for mode in ("off", "model") if self._clearly_better(measured, mode)), self.current)
         other = "off" if best == "model" else "model"

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from specserve.policy import (AcceptanceTracker, LoadModel, MeasuredModes, PolicyConfig, PrefillWatch,
-                              SpeculationPolicy, StepTimeModel)
+                              SpeculationPolicy, StepTimeModel, switch_catch_up_tokens)
 from specserve.protocol import SamplingParams, Speculation, TokenTree, VerifyResult
 from specserve.request_state import RequestState
 
@@ -883,17 +883,19 @@ def test_an_epoch_whose_rounds_hang_measures_nothing_but_an_idle_one_does():
     assert modes.levels[MeasuredModes.level(3)].model == pytest.approx(9.0)
 
 
-def test_epochs_neither_measure_the_model_first_nor_explore_while_prompts_prefill():
-    """A wave of requests prefills its prompts first. An epoch of the model then makes every
-    request's draft pool catch up while the target prefills (code at 8 streams: the first pass
-    at the level ran the model through its prefills, which ended ~23 s later than always
-    off's). So while a prompt prefills an epoch runs the better mode so far, off until both are
-    measured, and an exploration that falls due waits. A request's first round (its own
-    prompt's prefill) is never counted."""
+def test_a_wave_measures_the_model_first_and_explorations_wait_for_prompt_prefills():
+    """A wave of new requests, each in its first round (its prompt's prefill), costs nothing to
+    switch to the model: their draft pools prefill the prompts alongside the target, which is
+    what speculating costs at all (always on pays it too). So a new level measures the model
+    first, with no warm-up, then off (a switch to off is free). Off first, a one-wave pass at
+    code 4 or 8 streams switched late or never, since the switch's cost grows with every token
+    emitted off (0.94x and 0.92x always on). An exploration of the model that falls due while a
+    prompt prefills waits: its epoch would make requests that ran off catch up exactly while
+    the target prefills. A request's first round is never counted."""
     modes = MeasuredModes(epoch_s=4.0)
     level = MeasuredModes.level(8)
     firsts = [modes.begin(0.1 * i, 8, prefilling=True, first_round=True) for i in range(8)]
-    assert all(r.mode == "off" and not r.counted for r in firsts)
+    assert all(r.mode == "model" and not r.counted for r in firsts) and not modes.warming_up
     for r in firsts:
         modes.end(r, 1, 3.0)
 
@@ -906,17 +908,20 @@ def test_epochs_neither_measure_the_model_first_nor_explore_while_prompts_prefil
             modes.end(r, tokens, seconds)
         return rounds[0].mode
 
-    assert epoch(4.0, 1, prefilling=True) == "off"  # still prefilling: off, and measured
-    assert modes.begin(9.0, 8).mode == "model" and modes.warming_up  # prefills over: the model, after a warm-up
-    assert modes.levels[level].off == pytest.approx(8.0)  # 8 tokens in 8 round-seconds x 8 requests
-    assert epoch(13.0, 1, seconds=2.0) == "model" and not modes.warming_up
-    assert epoch(18.0, 1) == "off"
+    assert epoch(4.0, 1, seconds=2.0, prefilling=True) == "model"  # the model's first window, measured
+    assert epoch(9.0, 1, prefilling=True) == "off"  # then off: free, even while prompts prefill
     measured = modes.levels[level]
-    assert measured.model == pytest.approx(4.0)
-    assert measured.warm_up_s == pytest.approx(4.0) and measured.explore_after == pytest.approx(13.0 + 19 * 4.0)
+    assert measured.model == pytest.approx(4.0)  # 8 tokens in 16 round-seconds x 8 requests
+    assert epoch(14.0, 1) == "off"  # off measured better: it stays
+    assert measured.off == pytest.approx(8.0)
     measured.next_explore, measured.explore_after = measured.epochs, 0.0  # an exploration is due
-    assert epoch(23.0, 1, prefilling=True) == "off"  # it waits for the prefill
-    assert modes.begin(28.0, 8).mode == "model" and modes.warming_up  # and runs once none is running
+    assert epoch(19.0, 1, prefilling=True) == "off"  # it waits for the prefill
+    assert modes.begin(24.0, 8).mode == "model" and modes.warming_up  # and runs once none is running
+    # a level reached in mid-wave, its requests having run off: the switch has a cost, and off runs first
+    modes = MeasuredModes(epoch_s=4.0)
+    assert modes.begin(0.0, 8, switch_cost_s=20.0).mode == "off"
+    # a request that drafted its last round is synced; one that ran off has its text to catch up
+    assert switch_catch_up_tokens([(5, 4), (9, 4), (300, 4), (40, 4)]) == 340
     # where the model measured better, a prefill's epoch runs the model
     modes = MeasuredModes(epoch_s=4.0)
     modes._measured(level).model, modes._measured(level).off = 20.0, 12.0
@@ -1011,11 +1016,12 @@ def test_explorations_keep_to_their_budget_of_the_time_by_what_the_last_switch_c
 
 
 def test_a_level_s_first_measurement_of_the_model_waits_until_its_switch_fits_the_budget():
-    """Measuring the model first at a level costs a switch too: every request's draft pool
-    catches up on its whole text (code at 16 streams: ~2,300 tokens, ~40 s of a 2-core CPU, in
-    a 5-minute pass where always on and always off finish within 4% of each other). So the
-    level runs off until the switch's predicted cost is `explore_budget` of the time since the
-    level began; a cheap switch (heads, a fast draft pool) measures the model at once."""
+    """Measuring the model first at a level whose requests ran off (reached in mid-wave) costs
+    a switch too: every request's draft pool catches up on its whole text (code at 16 streams:
+    ~2,300 tokens, ~40 s of a 2-core CPU, in a 5-minute pass where always on and always off
+    finish within 4% of each other). So the level runs off until the switch's predicted cost
+    is `explore_budget` of the time since the level began; a cheap switch (heads, a fast draft
+    pool, a wave still in its first rounds) measures the model at once."""
     def epoch(modes: MeasuredModes, start: float, cost: float) -> tuple[str, bool]:
         rounds = [modes.begin(start + 0.01 * i, 16, switch_cost_s=cost) for i in range(16)]
         warming_up = modes.warming_up
@@ -1024,9 +1030,9 @@ def test_a_level_s_first_measurement_of_the_model_waits_until_its_switch_fits_th
             modes.end(r, 1, 2.0)
         return rounds[0].mode, warming_up
 
-    modes = MeasuredModes(epoch_s=4.0, explore_budget=0.05)
-    first = [modes.begin(0.1 * i, 16, prefilling=True, first_round=True) for i in range(16)]
-    assert all(r.mode == "off" for r in first)  # the prompts prefill: off
+    modes = MeasuredModes(epoch_s=4.0, explore_budget=0.05)  # reached in mid-wave: requests that ran off
+    first = [modes.begin(0.1 * i, 16, switch_cost_s=40.0) for i in range(16)]
+    assert all(r.mode == "off" for r in first)  # 40 s to catch up: off
     for r in first:
         modes.end(r, 1, 3.0)
     t, modes_run = 5.0, []

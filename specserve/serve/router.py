@@ -36,7 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.engine import adapt_speculation, sampling_refusal
 from specserve.pipeline import StreamedDraft
-from specserve.policy import LoadModel, MeasuredModes, PrefillWatch, SpeculationPolicy, draft_catches_up
+from specserve.policy import (LoadModel, MeasuredModes, PrefillWatch, SpeculationPolicy, draft_catches_up,
+                              switch_catch_up_tokens)
 from specserve.protocol import (
     DETERMINISTIC, DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, TokenTree,
     VerifyRequest, VerifyResult,
@@ -185,6 +186,7 @@ class Router(GrpcApi):
         self.load = LoadModel()
         self.modes = MeasuredModes()  # the model, checked against measured goodput at each load
         self.in_rounds = 0  # requests running rounds here
+        self.steered: dict[str, RequestState] = {}  # those the policy steers: a switch to the model catches them up
         self.prefills = PrefillWatch()  # rounds that waited for a prefill (prompt, draft catch-up): not overhead
         # Prompt lookup runs here, on the token ids the router holds: proposer `ngram`, and the
         # fallback while the draft pool is down.
@@ -286,12 +288,15 @@ class Router(GrpcApi):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _switch_cost_s(self, state: RequestState) -> float:
-        """What switching the requests in rounds to the model would cost now: their draft
-        pools' catch-ups, taken to be this request's times their number (LoadModel.catch_up_s)."""
-        if state.speculation.draft_cost != "pool":
-            return 0.0
-        return self.load.catch_up_s(state.draft_unseen * self.in_rounds)
+    def _switch_cost_s(self) -> float:
+        """What switching the steered requests to the model would cost now: their draft pools'
+        catch-ups (LoadModel.catch_up_s of switch_catch_up_tokens), summed over every one of
+        them, so that it does not depend on which request's round begins an epoch. A request
+        still in its first round adds nothing: its draft pool prefills its prompt alongside the
+        target's prefill, what speculating costs at all (always on pays it too)."""
+        return self.load.catch_up_s(switch_catch_up_tokens(
+            (state.draft_unseen, state.speculation.depth) for state in self.steered.values()
+            if state.speculation.draft_cost == "pool" and state.stats.target_steps > 0))
 
     def _expected_draft_s(self, catch_up: int, k: int) -> float:
         """What a draft call should take: its catch-up prefill and k steps at the draft pool's
@@ -350,6 +355,8 @@ class Router(GrpcApi):
 
     async def _rounds(self, state: RequestState, deadline: float | None = None) -> AsyncIterator[list[int]]:
         self.in_rounds += 1
+        if state.adaptive:
+            self.steered[state.request_id] = state
         prefill = True  # the first round prefills the prompt: its wait is not a round's overhead
         mark = ticket = None
         try:
@@ -372,7 +379,7 @@ class Router(GrpcApi):
                 # only requests the policy steers take part in (and are measured by) its epochs
                 ticket = (self.modes.begin(round_start, self.in_rounds, prefilling=self.prefills.active > 0 or prefill,
                                            catching_up=self.prefills.catching_up > 0, first_round=prefill,
-                                           switch_cost_s=self._switch_cost_s(state))
+                                           switch_cost_s=self._switch_cost_s())
                           if state.adaptive else None)
                 mode = ticket.mode if ticket is not None else "model"
                 warming_up = ticket is not None and self.modes.warming_up
@@ -443,6 +450,7 @@ class Router(GrpcApi):
             if ticket is not None:
                 self.modes.end(ticket, None)
             self.in_rounds -= 1
+            self.steered.pop(state.request_id, None)
             self._release(state)
 
     def _may_pipeline(self, state: RequestState) -> bool:
