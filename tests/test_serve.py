@@ -212,6 +212,25 @@ def test_concurrent_streams_are_all_exact(app, reference):
     assert texts == [greedy_text(tokenizer.encode(p), 32) for p in PROMPTS]
 
 
+def test_concurrent_adaptive_requests_through_the_draft_pool_are_exact(client, reference):
+    """The load-aware policy steering requests that draft from the draft pool, 8 at once (a
+    level its measured epochs decide, with a switch's cost summed over the requests in rounds):
+    every output equals the target alone, and each request reports the policy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tokenizer, _, greedy_text, _ = reference
+
+    def run(prompt: str) -> tuple[str, dict]:
+        r = client.completions.create(model="smol", prompt=prompt, max_tokens=32, temperature=0,
+                                      extra_body={"speculation": {"policy": "adaptive"}})
+        return r.choices[0].text, r.usage.model_extra["speculation"]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, PROMPTS * 2))
+    assert [text for text, _ in results] == [greedy_text(tokenizer.encode(p), 32) for p in PROMPTS * 2]
+    assert all(spec["policy"] == "adaptive" for _, spec in results)
+
+
 def test_pool_batches_concurrent_calls_into_shared_forward_passes(app, reference):
     from specserve.protocol import SamplingParams, TokenTree, VerifyRequest
 
