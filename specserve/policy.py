@@ -652,11 +652,11 @@ class MeasuredModes:
     and always off being within 4% of each other). A wave's requests in their first rounds
     cost nothing to switch (their draft pools prefill the prompts, as always on's do), so a
     new level measures the model first, at its cheapest moment: off first, one-wave passes at
-    code 4 and 8 switched late or never (0.94x and 0.92x always on), and a switch's predicted
-    cost grows with the time the level runs off. Every later exploration of the model keeps
-    to the budget by its predicted cost too, counted from the level's last switch: at code 8 a switch
-    predicted at 47 s went ahead because the last one had warmed up in a few seconds (its
-    requests had just begun), and cost 12% of the pass.
+    code 4 and 8 switched late or never (0.94x and 0.92x always on; model first: 0.92x and
+    1.03x), and a switch's predicted cost grows with the time the level runs off. Every later
+    exploration of the model keeps to the budget by its predicted cost too, counted from the
+    level's last switch: at code 8 a switch predicted at 47 s went ahead because the last one
+    had warmed up in a few seconds (its requests had just begun), and cost 12% of the pass.
     Below `min_in_flight` requests the model alone decides: a lone request has no other
     requests' costs it cannot see, and at 2 an epoch's goodput swings with whether a prompt's
     prefill fell in it more than the modes differ. The measurements behind each of these
