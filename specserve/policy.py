@@ -854,14 +854,11 @@ class MeasuredModes:
     def _next(self, level: int, prefilling: bool, now: float) -> tuple[str, bool]:
         """The mode of the next epoch at `level`, and whether it explores (due by the epochs
         since the last, and by `explore_budget`). The level's first measurement of the model
-        keeps to the budget by what the switch would cost now (`switch_cost_s`), and so comes
-        at a wave's start, where the requests' prompts are all the draft pools have to prefill
-        and a request in its first round adds nothing to the cost (speculating at all costs
-        that; always on pays it too): off first, at code 4 and 8 streams, the switch came
-        late or not at all in a one-wave pass (0.94x and 0.92x always on). While prompts
-        prefill, an exploration does not begin: an epoch of the model would make the draft
-        pools catch up on requests that ran off exactly while the target prefills; the better
-        mode so far runs."""
+        keeps to the budget by what the switch would cost now (`switch_cost_s`), so a wave of
+        new requests measures it at once (see the class docstring). While prompts prefill, an
+        exploration does not begin: an epoch of the model would make the draft pools catch up
+        on requests that ran off exactly while the target prefills; the better mode so far
+        runs."""
         measured = self._measured(level)
         if measured.since is None:
             measured.since = now
