@@ -198,6 +198,18 @@ class LoadModel:
             return self.draft_overhead_s
         return self.overhead_s
 
+    def off_goodput(self) -> float | None:
+        """Tokens per second every request in flight would emit together with speculation off:
+        one each per target pass, all of them in that pass (a round of every request is then
+        one short pass, which a continuous batcher fills; the pass time is the target's fitted
+        step time). None before the target's first reply. Off is the mode whose costs the model
+        sees whole (no draft pool, no catch-ups). It errs low while requests speculate (the draft
+        pool shares the cores and adds to the round overhead): over the model's rounds at code 4
+        and 8 streams its median was 3.5 and 5.2 tok/s where epochs of off measured 3.9 and 6.2."""
+        if not self.target.observed:
+            return None
+        return self.in_flight / (self.round_overhead(draft_call=False) + self.target.predict(self.in_flight))
+
 
 @dataclass
 class PrefillWatch:
@@ -653,7 +665,12 @@ class MeasuredModes:
     cost nothing to switch (their draft pools prefill the prompts, as always on's do), so a
     new level measures the model first, at its cheapest moment: off first, one-wave passes at
     code 4 and 8 switched late or never (0.94x and 0.92x always on; model first: 0.92x and
-    1.03x), and a switch's predicted cost grows with the time the level runs off. Every later
+    1.03x), and a switch's predicted cost grows with the time the level runs off. Off itself
+    is predicted as well as measured: its costs are the target's passes and nothing else, which
+    the load model sees whole (`LoadModel.off_goodput`), so where the model measured above that
+    prediction by more than `off_margin`, off is neither measured nor explored (at code 4
+    streams the wave's one off epoch, measuring 3.9 tok/s against the model's 6.1, was about
+    half of adaptive's gap to always on). Every later
     exploration of the model keeps to the budget by its predicted cost too, counted from the
     level's last switch: at code 8 a switch predicted at 47 s went ahead because the last one
     had warmed up in a few seconds (its requests had just begun), and cost 12% of the pass.
@@ -691,6 +708,10 @@ class MeasuredModes:
     # ~45 s of a 2-core CPU's draft pool
     max_warm_up_epochs: float = 10.0
     explore_budget: float = 0.05  # the share of a level's time its switches to the model may take
+    # Off is not measured where the model measured above the predicted off (LoadModel.off_goodput)
+    # by more than this: the prediction errs low by 10-16% while requests speculate, so a wrong
+    # call needs it 40% low
+    off_margin: float = 0.4
     levels: dict[int, _ModeGoodput] = field(default_factory=dict)
     current: str = "model"
     warming_up: bool = False  # the running epoch is a switch to the model's warm-up: not measured
@@ -706,6 +727,7 @@ class MeasuredModes:
     _in_flight: int = 0  # summed over the window's round starts
     _exploring: bool = False  # the running epoch runs the mode its level measured worse
     _switch_cost_s: float = 0.0  # what a switch to the model would cost now (begin's argument)
+    _off_predicted: float | None = None  # the goodput off would have now, predicted (begin's argument)
     _retries: int = 0  # epochs the running exploration went on after ones that measured nothing
 
     @staticmethod
@@ -731,18 +753,20 @@ class MeasuredModes:
         if not self.measures(in_flight):
             return None
         measured = self.levels.get(self.level(in_flight), _ModeGoodput())
-        return {"model": measured.model, "off": measured.off, "switch_cost_s": round(self._switch_cost_s, 3)}
+        return {"model": measured.model, "off": measured.off, "off_predicted": self._off_predicted,
+                "switch_cost_s": round(self._switch_cost_s, 3)}
 
     def begin(self, now: float, in_flight: int, *, prefilling: bool = False, catching_up: bool = False,
-              first_round: bool = False, switch_cost_s: float = 0.0) -> RoundTicket:
+              first_round: bool = False, switch_cost_s: float = 0.0, off_predicted: float | None = None) -> RoundTicket:
         """A round of a steered request begins now: its mode, "model" (the per-request policy
         decides) or "off". `prefilling`: a prompt prefill runs now (PrefillWatch.active, this
         round's own included); `catching_up`: a draft pool's catch-up runs now
         (PrefillWatch.catching_up); `first_round`: this round prefills its prompt (never
         counted); `switch_cost_s`: what switching the requests to the model would cost now (the
-        draft pools' catch-ups, predicted; 0 without a draft pool). Hand the ticket to `end`
-        when the round ends, however it ends."""
-        self._switch_cost_s = switch_cost_s
+        draft pools' catch-ups, predicted; 0 without a draft pool); `off_predicted`: the
+        goodput off would have now (LoadModel.off_goodput; None: not known, so off is measured).
+        Hand the ticket to `end` when the round ends, however it ends."""
+        self._switch_cost_s, self._off_predicted = switch_cost_s, off_predicted
         level = self.level(in_flight) if self.measures(in_flight) else 0
         self._advance(now, level, in_flight, prefilling, catching_up)
         counted = self._window and not first_round
@@ -864,14 +888,24 @@ class MeasuredModes:
             measured.since = now
         if measured.model is None:  # its first measurement, once the switch fits the budget
             return ("model" if self._switch_fits(measured, now) else "off"), False
-        if measured.off is None:  # a switch to off costs nothing: at once
+        off_loses = self._off_clearly_loses(measured)
+        if measured.off is None and not off_loses:  # a switch to off costs nothing: at once
             return "off", False
-        best = next((mode for mode in ("off", "model") if self._clearly_better(measured, mode)), self.current)
+        best = ("model" if measured.off is None else
+                next((mode for mode in ("off", "model") if self._clearly_better(measured, mode)), self.current))
         other = "off" if best == "model" else "model"
         # an exploration of the model keeps to the budget by the last switch's measured warm-up
         # (explore_after) and by what this one is predicted to cost: the requests in flight may
         # have far more to catch up now than at the last switch
         if (not prefilling and measured.epochs >= measured.next_explore and now >= measured.explore_after
-                and (other == "off" or self._switch_fits(measured, now))):
+                and (self._switch_fits(measured, now) if other == "model" else not off_loses)):
             return other, True
         return best, False
+
+    def _off_clearly_loses(self, measured: _ModeGoodput) -> bool:
+        """Whether the model measured above off's predicted goodput by more than `off_margin`:
+        then an epoch of off (a first measurement or an exploration) would only confirm it, at
+        the cost of the epoch and of the switch back (at code 4 streams the wave's one off epoch
+        was half the gap to always on)."""
+        return (measured.model is not None and self._off_predicted is not None
+                and measured.model > self._off_predicted * (1 + self.off_margin))

@@ -928,6 +928,44 @@ def test_a_wave_measures_the_model_first_and_explorations_wait_for_prompt_prefil
     assert modes.begin(0.0, 8, prefilling=True).mode == "model"
 
 
+def test_off_is_not_measured_where_the_model_beats_its_prediction_widely():
+    """Off's costs are the target's passes, which the load model sees whole, so off can be
+    predicted (LoadModel.off_goodput); the model's cannot, so it is measured. Where the model
+    measured above the prediction by more than `off_margin`, an epoch of off would only confirm
+    it, at the price of the epoch and of a switch back (code at 4 streams: one off epoch at 3.9
+    tok/s against the model's 6.1 was half of adaptive's gap to always on). Off is measured as
+    before where the two are close, or where nothing predicts it; and where the model falls
+    back toward the prediction, off is explored again."""
+    def epoch(modes: MeasuredModes, start: float, tokens: int, off_predicted: float | None) -> str:
+        rounds = [modes.begin(start + 0.01 * i, 4, off_predicted=off_predicted) for i in range(4)]
+        rounds.append(modes.begin(start + 4.0, 4, off_predicted=off_predicted))
+        for r in rounds:
+            modes.end(r, tokens, 4.0)
+        return rounds[0].mode
+
+    level = MeasuredModes.level(4)
+    for off_predicted, runs_off in ((3.5, False), (5.0, True), (None, True)):
+        modes = MeasuredModes(epoch_s=4.0, off_margin=0.4)
+        assert epoch(modes, 0.0, 6, off_predicted) == "model"  # the model first: 6 tok/s in all
+        assert (epoch(modes, 5.0, 6, off_predicted) == "off") == runs_off, off_predicted
+        assert modes.levels[level].model == pytest.approx(6.0)
+    # 6 > 1.4 x 3.5: off is never measured, not even when an exploration falls due ...
+    modes = MeasuredModes(epoch_s=4.0, off_margin=0.4, explore_every=2)
+    assert [epoch(modes, 5.0 * i, 6, 3.5) for i in range(12)] == ["model"] * 12
+    assert modes.levels[level].off is None
+    assert modes.estimates(4)["off_predicted"] == 3.5
+    # ... until the model measures close to it (acceptance fell, say): then off is measured
+    assert "off" in [epoch(modes, 60.0 + 5.0 * i, 4, 3.5) for i in range(8)]
+    assert modes.levels[level].off is not None
+
+    # the prediction: every request in flight in one pass of the target's fitted step time
+    load = LoadModel(in_flight=4, overhead_s=0.1)
+    assert load.off_goodput() is None  # nothing observed yet
+    for tokens in (4, 20, 8, 16):
+        load.observe_target(4, tokens, 0.8 + 0.03 * tokens)
+    assert load.off_goodput() == pytest.approx(4 / (0.1 + 0.8 + 0.03 * 4), rel=0.05)
+
+
 def test_a_switch_to_the_model_warms_up_until_the_draft_pools_caught_up_then_measures_it():
     """An epoch of the model after epochs off would spend its first seconds on every request's
     draft-pool catch-up (code at 16 streams: 26-356 tokens per request), measuring the switch,

@@ -379,7 +379,8 @@ class Router(GrpcApi):
                 # only requests the policy steers take part in (and are measured by) its epochs
                 ticket = (self.modes.begin(round_start, self.in_rounds, prefilling=self.prefills.active > 0 or prefill,
                                            catching_up=self.prefills.catching_up > 0, first_round=prefill,
-                                           switch_cost_s=self._switch_cost_s())
+                                           switch_cost_s=self._switch_cost_s(),
+                                           off_predicted=self.load.off_goodput())
                           if state.adaptive else None)
                 mode = ticket.mode if ticket is not None else "model"
                 warming_up = ticket is not None and self.modes.warming_up
