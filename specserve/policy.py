@@ -601,6 +601,7 @@ class _ModeGoodput:
     warm_up_s: float = 0.0  # how long the level's last switch to the model warmed up
     explore_after: float = 0.0  # and no exploration before this time (MeasuredModes.explore_budget)
     since: float | None = None  # when the level's first epoch began
+    decided: bool = False  # the level chose between the modes once (both measured, or off predicted)
     switched_at: float | None = None  # when the level's last switch to the model warmed up
 
 
@@ -670,7 +671,14 @@ class MeasuredModes:
     the load model sees whole (`LoadModel.off_goodput`), so where the model measured above that
     prediction by more than `off_margin`, off is neither measured nor explored (at code 4
     streams the wave's one off epoch, measuring 3.9 tok/s against the model's 6.1, was about
-    half of adaptive's gap to always on). Every later
+    half of adaptive's gap to always on). The level's first decision, on one epoch of each
+    mode, gives a tie (within the hysteresis) to the model, where later ones keep the running
+    mode: an epoch of the model counts a few rounds whose tokens swing with acceptance (chat at
+    4 streams: ~8 rounds of 1-5 tokens, against ~17 single tokens off), and the two wrong calls
+    cost differently: the model wrongly kept is corrected by an exploration of off within
+    `explore_every` epochs, at no switch cost; off wrongly kept comes back only once a switch
+    fits the budget (about a minute at chat 4; one of two adaptive passes there ran at always
+    off's speed, 3.20 tok/s, the other at always on's, 3.62). Every later
     exploration of the model keeps to the budget by its predicted cost too, counted from the
     level's last switch: at code 8 a switch predicted at 47 s went ahead because the last one
     had warmed up in a few seconds (its requests had just begun), and cost 12% of the pass.
@@ -891,8 +899,11 @@ class MeasuredModes:
         off_loses = self._off_clearly_loses(measured)
         if measured.off is None and not off_loses:  # a switch to off costs nothing: at once
             return "off", False
+        # a tie keeps the running mode, except at the level's first decision: see the class docstring
+        tie = self.current if measured.decided else "model"
         best = ("model" if measured.off is None else
-                next((mode for mode in ("off", "model") if self._clearly_better(measured, mode)), self.current))
+                next((mode for mode in ("off", "model") if self._clearly_better(measured, mode)), tie))
+        measured.decided = True
         other = "off" if best == "model" else "model"
         # an exploration of the model keeps to the budget by the last switch's measured warm-up
         # (explore_after) and by what this one is predicted to cost: the requests in flight may

@@ -966,6 +966,28 @@ def test_off_is_not_measured_where_the_model_beats_its_prediction_widely():
     assert load.off_goodput() == pytest.approx(4 / (0.1 + 0.8 + 0.03 * 4), rel=0.05)
 
 
+def test_a_level_s_first_decision_gives_a_tie_to_the_model_and_later_ones_keep_the_running_mode():
+    """One epoch of each mode is a noisy comparison (the model's tokens per round swing with
+    acceptance), and off wrongly kept comes back only once a switch fits the budget, where the
+    model wrongly kept is corrected by a free exploration of off: so the level's first
+    decision gives a tie to the model. Off measured clearly better still wins it; after it, a
+    tie keeps the running mode (the hysteresis)."""
+    def epoch(modes: MeasuredModes, start: float, tokens: int) -> str:
+        rounds = [modes.begin(start + 0.01 * i, 4) for i in range(4)]
+        rounds.append(modes.begin(start + 4.0, 4))
+        for r in rounds:
+            modes.end(r, tokens, 4.0)
+        return rounds[0].mode
+
+    for off_tokens, decision in ((21, "model"), (24, "off")):  # model 20 tok/s: off 5% and 20% above it
+        modes = MeasuredModes(epoch_s=4.0, hysteresis=0.1)
+        assert [epoch(modes, 5.0 * i, tokens) for i, tokens in enumerate((20, off_tokens))] == ["model", "off"]
+        assert epoch(modes, 10.0, off_tokens) == decision
+    # later, off having won (24 tok/s): the model measures 5% above it, a tie, and off keeps running
+    modes.levels[MeasuredModes.level(4)].model = 25.2
+    assert epoch(modes, 15.0, 24) == "off"
+
+
 def test_a_switch_to_the_model_warms_up_until_the_draft_pools_caught_up_then_measures_it():
     """An epoch of the model after epochs off would spend its first seconds on every request's
     draft-pool catch-up (code at 16 streams: 26-356 tokens per request), measuring the switch,
