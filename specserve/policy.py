@@ -618,74 +618,53 @@ class RoundTicket:
 @dataclass
 class MeasuredModes:
     """A check on the model that measures instead of predicting: per concurrency level, the
-    goodput (tokens emitted per second by every request this router carries) while requests
-    speculate as the model chooses, against while speculation is off.
+    goodput (tokens per second emitted by every request this router carries) while requests
+    speculate as the model chooses ("model"), against while speculation is off ("off").
 
     Why: the per-round model cannot see every cost of speculating (the draft pool's prompt
     prefills, two pools contending for the same cores, calls queued behind other requests'
     drafts); where those make speculation lose, only a measurement shows it.
 
-    How: time is cut into epochs, each running one mode ("model" or "off") for every request
-    the policy steers (with a draft pool, "model" has every request draft its whole configured
-    depth: see RequestState.plan_round). A request with a fixed setting neither follows the
-    epochs nor counts in them: it would credit both modes with the same tokens. An epoch is a
-    window of round starts, at least `epoch_s` long and until as many rounds began in it as
-    requests were in flight, then a tail in the same mode until every round that began in the
-    window has ended; the next epoch starts then. The epoch measures exactly the rounds that
-    began in its window, each whole: goodput = their tokens / their seconds (each round's wall
-    time less the prompt prefills it overlapped: those come with arrivals in either mode; a
-    round that spent more than half its time so is not counted) x requests in flight. Why
-    rounds, not the tokens any round emitted in the epoch: at 16 streams on this CPU a round of
-    the model takes ~5 s and one off ~1.5 s, longer than a 4-s epoch, so an epoch counted
-    mostly rounds that began in the one before, in the other mode, and its own rounds' tokens
-    went to the next. A round's first (the prompt's prefill) is not
-    counted. The goodput goes to the EMA of the epoch's mode at its level (log2 buckets of
-    requests in flight); an epoch whose level changed, or that did not close within
-    `max_epoch_s` (rounds hanging), measures nothing. While a prompt prefills, no exploration
-    begins (`_next`). The next epoch runs the better mode,
-    switching only for more than `hysteresis`. Now and then an epoch runs the other mode so
-    both estimates stay current: first after `explore_every` epochs at a level; each
-    exploration that leaves the decision as it was (ties included) doubles the wait, up to
-    `max_explore_every`, and one that overturns it resets the wait; an exploration that
-    measured nothing goes on for up to `explore_retries` more epochs. Exploring costs: an epoch
-    of the model after epochs off has every request's draft pool catch up on all it emitted
-    meanwhile, a burst of draft prefills that splits the target's passes for a while after. So
-    every switch from off to the model (a first measurement or an exploration) opens with a
-    warm-up that measures nothing: at least `epoch_s`, and on until no catch-up runs (at most
-    `max_warm_up_epochs` epochs); the model's window opens after it (measured with the
-    catch-ups in, the model's first epochs at code 16 ran through 978 and 1350 tokens of them
-    and measured low, and the level ran off although always on was 12% faster). The warm-up's
-    length is what a switch costs at the level, and explorations keep to `explore_budget` of
-    the time: after a warm-up of W seconds the level explores no sooner than W / budget
-    seconds later (at code 16 on 2 cores a switch warms up ~40 s, and an exploration in each
-    5-minute pass cost ~10% of goodput). The level's first measurement of the model keeps to
-    the same budget, by the switch's predicted cost (`switch_cost_s`: the draft pools'
-    catch-ups on every steered request past its first round): until it fits, the level runs
-    off (at code 16 a first measurement in mid-wave cost ~30 s of a 5-minute pass, always on
-    and always off being within 4% of each other). A wave's requests in their first rounds
-    cost nothing to switch (their draft pools prefill the prompts, as always on's do), so a
-    new level measures the model first, at its cheapest moment: off first, one-wave passes at
-    code 4 and 8 switched late or never (0.94x and 0.92x always on; model first: 0.92x and
-    1.03x), and a switch's predicted cost grows with the time the level runs off. Off itself
-    is predicted as well as measured: its costs are the target's passes and nothing else, which
-    the load model sees whole (`LoadModel.off_goodput`), so where the model measured above that
-    prediction by more than `off_margin`, off is neither measured nor explored (at code 4
-    streams the wave's one off epoch, measuring 3.9 tok/s against the model's 6.1, was about
-    half of adaptive's gap to always on). The level's first decision, on one epoch of each
-    mode, gives a tie (within the hysteresis) to the model, where later ones keep the running
-    mode: an epoch of the model counts a few rounds whose tokens swing with acceptance (chat at
-    4 streams: ~8 rounds of 1-5 tokens, against ~17 single tokens off), and the two wrong calls
-    cost differently: the model wrongly kept is corrected by an exploration of off within
-    `explore_every` epochs, at no switch cost; off wrongly kept comes back only once a switch
-    fits the budget (about a minute at chat 4; one of two adaptive passes there ran at always
-    off's speed, 3.20 tok/s, the other at always on's, 3.62). Every later
-    exploration of the model keeps to the budget by its predicted cost too, counted from the
-    level's last switch: at code 8 a switch predicted at 47 s went ahead because the last one
-    had warmed up in a few seconds (its requests had just begun), and cost 12% of the pass.
-    Below `min_in_flight` requests the model alone decides: a lone request has no other
-    requests' costs it cannot see, and at 2 an epoch's goodput swings with whether a prompt's
-    prefill fell in it more than the modes differ. The measurements behind each of these
-    choices: docs/bench/adaptive-history.md.
+    Epochs. Time is cut into epochs, each running one mode for every request the policy steers
+    (with a draft pool, "model" drafts the whole configured depth: RequestState.plan_round); a
+    request with a fixed setting neither follows the epochs nor counts in them (it would
+    credit both modes with the same tokens). An epoch is a window of round starts, at least
+    `epoch_s` long and until as many rounds began in it as requests were in flight, then a
+    tail in the same mode until those rounds ended. It measures exactly the rounds that began
+    in its window, each whole (at 16 streams here a round outlasts an epoch): their tokens over
+    their own seconds (less the prompt prefills they overlapped, which come with arrivals in
+    either mode; a round that spent over half its time so, or that is a request's first, is
+    not counted) x requests in flight, into the EMA of the mode at its level (log2 buckets of
+    requests in flight). An epoch whose level changed, or that did not close within
+    `max_epoch_s` (rounds hanging), measures nothing.
+
+    Deciding. The next epoch runs the better mode, switching only for more than `hysteresis`.
+    A level's first decision, on one epoch of each mode, gives a tie to the model: the model's
+    epoch counts a few rounds whose tokens swing with acceptance, and a wrong off costs a
+    budgeted switch back where a wrong model costs one free exploration. Below `min_in_flight`
+    requests the model alone decides: a lone request has no other requests' costs it cannot
+    see, and at 2 a prompt prefill in an epoch swings it more than the modes differ.
+
+    Exploring. Now and then an epoch runs the other mode so both estimates stay current: first
+    after `explore_every` epochs at a level; one that leaves the decision as it was (ties
+    included) doubles the wait, up to `max_explore_every`, one that overturns it resets it, and
+    one that measured nothing goes on for up to `explore_retries` more epochs. No exploration
+    begins while a prompt prefills.
+
+    Switching to the model costs: every request's draft pool catches up on all it emitted off,
+    a burst of prefills on the cores the target uses. So such a switch opens with a warm-up that
+    measures nothing (at least `epoch_s`, and on while catch-ups run, at most
+    `max_warm_up_epochs`), and a level's switches to the model keep to `explore_budget` of its
+    time, by the last switch's warm-up and by this one's predicted cost (`switch_cost_s`: the
+    catch-ups of every steered request past its first round). A wave of new requests costs
+    nothing to switch (their draft pools prefill the prompts, as always on's do), so a new
+    level measures the model first; one reached in mid-wave runs off until the switch fits.
+
+    Predicting off. Off's costs are the target's passes and nothing else, which the load model
+    sees whole (`LoadModel.off_goodput`): where the model measured above that prediction by
+    more than `off_margin`, off is neither measured nor explored.
+
+    The measurements behind each rule: docs/bench/adaptive-history.md.
 
         >>> modes = MeasuredModes(epoch_s=1.0)
         >>> first = modes.begin(now=0.0, in_flight=3)   # first epoch at 3 requests: the model
