@@ -602,6 +602,7 @@ class _ModeGoodput:
     explore_after: float = 0.0  # and no exploration before this time (MeasuredModes.explore_budget)
     since: float | None = None  # when the level's first epoch began
     decided: bool = False  # the level chose between the modes once (both measured, or off predicted)
+    warmed: bool = False  # a warm-up ran at the level (so its first look at the model is done)
     switched_at: float | None = None  # when the level's last switch to the model warmed up
 
 
@@ -658,7 +659,10 @@ class MeasuredModes:
     time, by the last switch's warm-up and by this one's predicted cost (`switch_cost_s`: the
     catch-ups of every steered request past its first round). A wave of new requests costs
     nothing to switch (their draft pools prefill the prompts, as always on's do), so a new
-    level measures the model first; one reached in mid-wave runs off until the switch fits.
+    level looks at the model first; one reached in mid-wave runs off until the switch fits.
+    A first look warms up too while prompts prefill or catch-ups run (the new requests' draft
+    prefills, which its epoch would measure as the model's), but is no switch: it takes
+    nothing from the budget.
 
     Predicting off. Off's costs are the target's passes and nothing else, which the load model
     sees whole (`LoadModel.off_goodput`): where the model measured above that prediction by
@@ -701,7 +705,8 @@ class MeasuredModes:
     off_margin: float = 0.4
     levels: dict[int, _ModeGoodput] = field(default_factory=dict)
     current: str = "model"
-    warming_up: bool = False  # the running epoch is a switch to the model's warm-up: not measured
+    warming_up: bool = False  # the running epoch warms the model up: not measured
+    _switching: bool = False  # ... and that warm-up is a switch from off (its length is what one costs)
     epoch: int = 0  # the running epoch's number
     _started: float | None = None  # when the running epoch (its warm-up, then its window) began
     _level: int | None = None
@@ -783,11 +788,13 @@ class MeasuredModes:
                 self._start(now, 0, in_flight, "model", False)
             return
         if self._started is None or level != self._level:  # the load moved: the epoch measures nothing
-            self._start(now, level, in_flight, *self._next(level, prefilling, now))
+            self._start(now, level, in_flight, *self._next(level, prefilling, now), busy=prefilling or catching_up)
             return
         elapsed = now - self._started
         if self.warming_up:
-            if elapsed >= self.max_warm_up_epochs * self.epoch_s or (elapsed >= self.epoch_s and not catching_up):
+            # done once no catch-up runs (a first look: nor a prompt prefill, whose draft prefill follows)
+            settled = not catching_up and (self._switching or not prefilling)
+            if elapsed >= self.max_warm_up_epochs * self.epoch_s or (elapsed >= self.epoch_s and settled):
                 self._warmed_up(level, now, elapsed)
                 self._start(now, level, in_flight, "model", self._exploring, self._retries)  # now measure it
             return
@@ -801,12 +808,16 @@ class MeasuredModes:
             return
         if not measured and self._exploring:  # given up: wait as after one that left the decision as it was
             self._back_off(self._measured(level), overturned=False)
-        self._start(now, level, in_flight, *self._next(level, prefilling, now))
+        self._start(now, level, in_flight, *self._next(level, prefilling, now), busy=prefilling or catching_up)
 
     def _warmed_up(self, level: int, now: float, warm_up_s: float) -> None:
-        """A switch to the model warmed up for `warm_up_s`: the level's explorations wait
-        until that is at most `explore_budget` of the time since."""
+        """The model warmed up for `warm_up_s`. If it was a switch from off, the level's
+        explorations wait until that is at most `explore_budget` of the time since; a first
+        look's catch-ups are the new requests' prompts, which always on prefills too."""
         measured = self._measured(level)
+        measured.warmed = True
+        if not self._switching:
+            return
         measured.warm_up_s, measured.switched_at = warm_up_s, now
         measured.explore_after = max(measured.explore_after, now + self._budget_wait(warm_up_s))
 
@@ -821,10 +832,16 @@ class MeasuredModes:
         `explore_budget` of the time."""
         return switch_s * (1 / self.explore_budget - 1)
 
-    def _start(self, now: float, level: int, in_flight: int, mode: str, exploring: bool, retries: int = 0) -> None:
-        # a switch to the model warms up first (and a warm-up cut short by a change of level goes on)
-        self.warming_up = mode == "model" and level > 0 and (self.current == "off" or
-                                                             (self.warming_up and self._level != level))
+    def _start(self, now: float, level: int, in_flight: int, mode: str, exploring: bool, retries: int = 0,
+               busy: bool = False) -> None:
+        # a switch to the model warms up first, and so does a level's first look at the model
+        # while prompts prefill or catch-ups run (`busy`); a warm-up cut short by a change of
+        # level goes on
+        carried = self.warming_up and self._level != level
+        model = mode == "model" and level > 0
+        self._switching = model and (self.current == "off" or (carried and self._switching))
+        first_look = model and busy and not self._measured(level).warmed
+        self.warming_up = model and (self._switching or carried or first_look)
         self.epoch += 1
         self._started, self._level, self.current = now, level, mode
         self._window = level > 0 and not self.warming_up

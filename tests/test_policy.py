@@ -886,18 +886,24 @@ def test_an_epoch_whose_rounds_hang_measures_nothing_but_an_idle_one_does():
 def test_a_wave_measures_the_model_first_and_explorations_wait_for_prompt_prefills():
     """A wave of new requests, each in its first round (its prompt's prefill), costs nothing to
     switch to the model: their draft pools prefill the prompts alongside the target, which is
-    what speculating costs at all (always on pays it too). So a new level measures the model
-    first, with no warm-up, then off (a switch to off is free). Off first, a one-wave pass at
-    code 4 or 8 streams switched late or never, since the switch's cost grows with every token
-    emitted off (0.94x and 0.92x always on). An exploration of the model that falls due while a
-    prompt prefills waits: its epoch would make requests that ran off catch up exactly while
-    the target prefills. A request's first round is never counted."""
+    what speculating costs at all (always on pays it too). So a new level looks at the model
+    first, then off (a switch to off is free). Off first, a one-wave pass at code 4 or 8
+    streams switched late or never, since the switch's cost grows with every token emitted off
+    (0.94x and 0.92x always on). That first look warms up while the prompts prefill in either
+    pool, as a switch does while catch-ups run, but is no switch: it takes nothing from the
+    budget. Measured from the first rounds, chat at 4 streams put the model at 2.3 tok/s (the
+    wave's draft prefills in the epoch) against off's 3.8, and ran off. An exploration of the
+    model that falls due while a prompt prefills waits: its epoch would make requests that ran
+    off catch up exactly while the target prefills. A request's first round is never counted."""
     modes = MeasuredModes(epoch_s=4.0)
     level = MeasuredModes.level(8)
     firsts = [modes.begin(0.1 * i, 8, prefilling=True, first_round=True) for i in range(8)]
-    assert all(r.mode == "model" and not r.counted for r in firsts) and not modes.warming_up
+    assert all(r.mode == "model" and not r.counted for r in firsts) and modes.warming_up
     for r in firsts:
         modes.end(r, 1, 3.0)
+    warm = modes.begin(5.0, 8, catching_up=True)  # their draft pools prefill the prompts: still warming up
+    assert warm.mode == "model" and not warm.counted and modes.warming_up
+    modes.end(warm, 1, 3.0)
 
     def epoch(start: float, tokens: int, seconds: float = 1.0, **kwargs) -> str:
         """An epoch's rounds: 8 begin at `start`, then one 4 s later (the window's end: the
@@ -908,15 +914,16 @@ def test_a_wave_measures_the_model_first_and_explorations_wait_for_prompt_prefil
             modes.end(r, tokens, seconds)
         return rounds[0].mode
 
-    assert epoch(4.0, 1, seconds=2.0, prefilling=True) == "model"  # the model's first window, measured
-    assert epoch(9.0, 1, prefilling=True) == "off"  # then off: free, even while prompts prefill
+    assert epoch(9.0, 1, seconds=2.0) == "model" and not modes.warming_up  # settled: the model's window
     measured = modes.levels[level]
+    assert measured.explore_after == 0.0 and measured.switched_at is None  # the first look was no switch
+    assert epoch(14.0, 1, prefilling=True) == "off"  # then off: free, even while prompts prefill
     assert measured.model == pytest.approx(4.0)  # 8 tokens in 16 round-seconds x 8 requests
-    assert epoch(14.0, 1) == "off"  # off measured better: it stays
+    assert epoch(19.0, 1) == "off"  # off measured better: it stays
     assert measured.off == pytest.approx(8.0)
     measured.next_explore, measured.explore_after = measured.epochs, 0.0  # an exploration is due
-    assert epoch(19.0, 1, prefilling=True) == "off"  # it waits for the prefill
-    assert modes.begin(24.0, 8).mode == "model" and modes.warming_up  # and runs once none is running
+    assert epoch(24.0, 1, prefilling=True) == "off"  # it waits for the prefill
+    assert modes.begin(29.0, 8).mode == "model" and modes.warming_up  # and runs once none is running
     # a level reached in mid-wave, its requests having run off: the switch has a cost, and off runs first
     modes = MeasuredModes(epoch_s=4.0)
     assert modes.begin(0.0, 8, switch_cost_s=20.0).mode == "off"
