@@ -935,6 +935,16 @@ def test_a_wave_measures_the_model_first_and_explorations_wait_for_prompt_prefil
     assert modes.begin(0.0, 8, prefilling=True).mode == "model"
 
 
+def four_request_epoch(modes: MeasuredModes, start: float, tokens: int, **begin) -> str:
+    """An epoch at 4 requests: 4 rounds begin at `start`, then one 4 s later (the window's end),
+    each emitting `tokens` in 4 s (6 tokens: 6 tok/s in all); the mode it ran."""
+    rounds = [modes.begin(start + 0.01 * i, 4, **begin) for i in range(4)]
+    rounds.append(modes.begin(start + 4.0, 4, **begin))
+    for r in rounds:
+        modes.end(r, tokens, 4.0)
+    return rounds[0].mode
+
+
 def test_off_is_not_measured_where_the_model_beats_its_prediction_widely():
     """Off's costs are the target's passes, which the load model sees whole, so off can be
     predicted (LoadModel.off_goodput); the model's cannot, so it is measured. Where the model
@@ -943,26 +953,20 @@ def test_off_is_not_measured_where_the_model_beats_its_prediction_widely():
     tok/s against the model's 6.1 was half of adaptive's gap to always on). Off is measured as
     before where the two are close, or where nothing predicts it; and where the model falls
     back toward the prediction, off is explored again."""
-    def epoch(modes: MeasuredModes, start: float, tokens: int, off_predicted: float | None) -> str:
-        rounds = [modes.begin(start + 0.01 * i, 4, off_predicted=off_predicted) for i in range(4)]
-        rounds.append(modes.begin(start + 4.0, 4, off_predicted=off_predicted))
-        for r in rounds:
-            modes.end(r, tokens, 4.0)
-        return rounds[0].mode
-
     level = MeasuredModes.level(4)
     for off_predicted, runs_off in ((3.5, False), (5.0, True), (None, True)):
         modes = MeasuredModes(epoch_s=4.0, off_margin=0.4)
-        assert epoch(modes, 0.0, 6, off_predicted) == "model"  # the model first: 6 tok/s in all
-        assert (epoch(modes, 5.0, 6, off_predicted) == "off") == runs_off, off_predicted
+        # the model first: 6 tok/s in all
+        assert four_request_epoch(modes, 0.0, 6, off_predicted=off_predicted) == "model"
+        assert (four_request_epoch(modes, 5.0, 6, off_predicted=off_predicted) == "off") == runs_off, off_predicted
         assert modes.levels[level].model == pytest.approx(6.0)
     # 6 > 1.4 x 3.5: off is never measured, not even when an exploration falls due ...
     modes = MeasuredModes(epoch_s=4.0, off_margin=0.4, explore_every=2)
-    assert [epoch(modes, 5.0 * i, 6, 3.5) for i in range(12)] == ["model"] * 12
+    assert [four_request_epoch(modes, 5.0 * i, 6, off_predicted=3.5) for i in range(12)] == ["model"] * 12
     assert modes.levels[level].off is None
     assert modes.estimates(4)["off_predicted"] == 3.5
     # ... until the model measures close to it (acceptance fell, say): then off is measured
-    assert "off" in [epoch(modes, 60.0 + 5.0 * i, 4, 3.5) for i in range(8)]
+    assert "off" in [four_request_epoch(modes, 60.0 + 5.0 * i, 4, off_predicted=3.5) for i in range(8)]
     assert modes.levels[level].off is not None
 
     # the prediction: every request in flight in one pass of the target's fitted step time
@@ -979,20 +983,14 @@ def test_a_level_s_first_decision_gives_a_tie_to_the_model_and_later_ones_keep_t
     model wrongly kept is corrected by a free exploration of off: so the level's first
     decision gives a tie to the model. Off measured clearly better still wins it; after it, a
     tie keeps the running mode (the hysteresis)."""
-    def epoch(modes: MeasuredModes, start: float, tokens: int) -> str:
-        rounds = [modes.begin(start + 0.01 * i, 4) for i in range(4)]
-        rounds.append(modes.begin(start + 4.0, 4))
-        for r in rounds:
-            modes.end(r, tokens, 4.0)
-        return rounds[0].mode
-
     for off_tokens, decision in ((21, "model"), (24, "off")):  # model 20 tok/s: off 5% and 20% above it
         modes = MeasuredModes(epoch_s=4.0, hysteresis=0.1)
-        assert [epoch(modes, 5.0 * i, tokens) for i, tokens in enumerate((20, off_tokens))] == ["model", "off"]
-        assert epoch(modes, 10.0, off_tokens) == decision
+        modes_run = [four_request_epoch(modes, 5.0 * i, tokens) for i, tokens in enumerate((20, off_tokens))]
+        assert modes_run == ["model", "off"]
+        assert four_request_epoch(modes, 10.0, off_tokens) == decision
     # later, off having won (24 tok/s): the model measures 5% above it, a tie, and off keeps running
     modes.levels[MeasuredModes.level(4)].model = 25.2
-    assert epoch(modes, 15.0, 24) == "off"
+    assert four_request_epoch(modes, 15.0, 24) == "off"
 
 
 def test_a_switch_to_the_model_warms_up_until_the_draft_pools_caught_up_then_measures_it():

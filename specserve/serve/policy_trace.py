@@ -42,10 +42,11 @@ def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_
     the model; `draft_syncing`: the draft pool catches up on the request in the background
     (its rounds run target-only meanwhile); `counted`: its epoch (`epoch`, numbered) measures
     it; `estimates`: each mode's goodput measured so far at this load, off's predicted from the
-    load model, and what a switch to the model would cost now; see MeasuredModes). Where a round's time went: `verify_s` and
-    `draft_s`, the pools' own time on its verify and on its draft; `drafted_ahead`, its draft
-    came from the last round's verify (speculation.draft_ahead); `ahead_wait_s`, how long it
-    waited for the next round's draft after its verify replied."""
+    load model, and what a switch to the model would cost now; see MeasuredModes). Where a
+    round's time went: `verify_s` and `draft_s`, the pools' own time on its verify and on its
+    draft; `drafted_ahead`, its draft came from the last round's verify
+    (speculation.draft_ahead); `ahead_wait_s`, how long it waited for the next round's draft
+    after its verify replied."""
     def line(coefficients: tuple[float, float]) -> list[float]:
         return [round(c, 5) for c in coefficients]
 
