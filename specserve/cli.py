@@ -207,6 +207,20 @@ def add_bench_parser(subparsers) -> None:
     p.set_defaults(func=_cmd_bench)
 
 
+def _cmd_replay_heads(args: argparse.Namespace) -> int:
+    from specserve.benchmarks.replay import main as replay_main
+
+    return replay_main(args.replay_args)
+
+
+def add_replay_heads_parser(subparsers) -> None:
+    p = subparsers.add_parser("replay-heads", add_help=False, prefix_chars="\0",
+                              help="accepted length of head trees offline, from the target's greedy continuations "
+                                   "(specserve replay-heads --help)")
+    p.add_argument("replay_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_replay_heads)
+
+
 # --------------------------------------------------------------------------- chat
 
 
@@ -449,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_parser(subparsers)
     add_generate_parser(subparsers)
     add_bench_parser(subparsers)
+    add_replay_heads_parser(subparsers)
     add_chat_parser(subparsers)
     add_train_heads_parser(subparsers)
     add_export_heads_parser(subparsers)

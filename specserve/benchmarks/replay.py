@@ -1,0 +1,220 @@
+"""Replay co-located head proposers on recorded greedy continuations: accepted length offline.
+
+    python -m specserve.benchmarks.replay --workloads code --skip 16 --prompts 24 \\
+        --trees 'budget=16,depth=4,width=4,min_score=0.05' 'budget=16,depth=4,width=4,min_score=0'
+
+Under greedy decoding, the rounds of a head proposer (Medusa, Hydra) depend only on the
+target's greedy continuation and its hidden states along it: a round whose root is
+continuation token c proposes from the hidden state of the row that produced it, and accepts
+the longest path of the tree that follows the continuation. So one target pass over each
+prompt + continuation gives every round's input, and a tree shape's accepted length comes out
+of the heads alone, in seconds where `specserve bench` spends a target pass per round (~35 s
+a call on a 2-core CPU). It measures accepted length only, never tokens/s: shapes found here
+are confirmed with `specserve bench` (tokens/s and exactness).
+
+Continuations are decoded once per (target, workload, prompt, max_tokens) and cached under
+$SPECSERVE_HOME/replay. The rounds mirror the decoder's: the prefill yields the first token,
+each round commits its accepted tokens and the target's next one, up to max_tokens or a stop
+token; accepted length = tokens / target passes, as `specserve bench` reports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specserve.protocol import ProposeRequest, SamplingParams, TokenTree, TreeSpec
+
+
+def follow(tree: TokenTree, continuation: Sequence[int]) -> int:
+    """How many of `continuation`'s tokens the tree holds as one path from the root: greedy
+    acceptance against a known continuation (nodes are in level order, parents first).
+
+    >>> follow(TokenTree((5, 6, 7, 8), (-1, -1, 1, 1)), [6, 8, 9])
+    2
+    """
+    node, accepted = -1, 0
+    for token in continuation:
+        child = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)) if p == node and t == token), None)
+        if child is None:
+            break
+        node, accepted = child, accepted + 1
+    return accepted
+
+
+@dataclass
+class Trajectory:
+    """One prompt's greedy continuation and the target's hidden state of each row that
+    produced a continuation token (row c produced continuation[c])."""
+
+    prompt: list[int]
+    continuation: list[int]
+    hidden: object = None  # torch.Tensor [len(continuation), H]
+
+
+@dataclass
+class ReplayResult:
+    tokens: int = 0
+    passes: int = 0  # target passes: the prefill and one per round
+    nodes: int = 0  # tree nodes proposed
+    rounds: int = 0
+    accepted_at_depth: list[int] = field(default_factory=list)
+
+    @property
+    def accepted_length(self) -> float:
+        return self.tokens / max(self.passes, 1)
+
+    def add(self, accepted: int, committed: int, nodes: int) -> None:
+        self.rounds += 1
+        self.passes += 1
+        self.tokens += committed
+        self.nodes += nodes
+        while len(self.accepted_at_depth) < accepted:
+            self.accepted_at_depth.append(0)
+        for d in range(accepted):
+            self.accepted_at_depth[d] += 1
+
+
+def replay(proposer, spec: TreeSpec | None, k: int, trajectories: Sequence[Trajectory], max_tokens: int) -> ReplayResult:
+    """Every trajectory decoded with `proposer`'s trees (`spec`; None: chains of k), rounds
+    batched across trajectories as the pool batches them."""
+    import torch
+
+    result = ReplayResult()
+    position = [0] * len(trajectories)  # the root's index in its continuation
+    for t in trajectories:  # the prefill's token
+        result.passes += 1
+        result.tokens += 1
+    params = SamplingParams(max_tokens=max_tokens)
+    while True:
+        live = [i for i, t in enumerate(trajectories) if position[i] + 1 < min(len(t.continuation), max_tokens)]
+        if not live:
+            return result
+        requests = [ProposeRequest(f"replay-{i}", trajectories[i].prompt + trajectories[i].continuation[:position[i] + 1],
+                                   k, params, 0, spec) for i in live]
+        hidden = torch.stack([trajectories[i].hidden[position[i]] for i in live])
+        for i, proposal in zip(live, proposer.propose_from_hidden(requests, hidden)):
+            t = trajectories[i]
+            remaining = min(len(t.continuation), max_tokens) - position[i] - 1
+            accepted = follow(proposal.tree, t.continuation[position[i] + 1:])
+            committed = min(accepted + 1, remaining)
+            result.add(min(accepted, committed), committed, len(proposal.tree.tokens))
+            position[i] += committed
+
+
+def greedy_continuations(worker, prompts: Sequence[list[int]], max_tokens: int, stop_ids: set[int],
+                         log=print) -> list[list[int]]:
+    """The target's greedy continuations, all prompts decoded as one batch (the stop token
+    kept, as the decoder returns it)."""
+    from specserve.engine.torch_worker import ForwardItem
+
+    outputs: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    started = time.monotonic()
+    while live:
+        rows = worker.run([ForwardItem(f"greedy-{i}", prompts[i] + outputs[i]) for i in live])
+        for i, r in zip(live, rows):
+            outputs[i].append(int(r.argmax()[0]))
+        live = [i for i in live if len(outputs[i]) < max_tokens and outputs[i][-1] not in stop_ids]
+        if len(outputs[0]) % 16 == 0 or not live:
+            log(f"  greedy: {max(map(len, outputs))}/{max_tokens} tokens, {time.monotonic() - started:.0f} s")
+    for i in range(len(prompts)):
+        worker.release(f"greedy-{i}")
+    return outputs
+
+
+def hidden_along(worker, prompt: list[int], continuation: list[int]):
+    """[len(continuation), H]: the hidden state of the row that produced each continuation
+    token (the prompt's last token, then each continuation token but the last)."""
+    from specserve.engine.torch_worker import ForwardItem
+
+    rows = worker.run([ForwardItem("replay-hidden", list(prompt), TokenTree.chain(continuation[:-1]))])[0]
+    worker.release("replay-hidden")
+    return rows.hidden.float().cpu()
+
+
+def load_trajectories(worker, tokenizer, target: str, workload: str, prompts: int, skip: int, max_tokens: int,
+                      stop_ids: set[int], log=print) -> list[Trajectory]:
+    from specserve.benchmarks import workloads
+    from specserve.models import specserve_home
+
+    chosen = workloads.load([workload], skip + prompts)[0]
+    encoded = chosen.encode(tokenizer)[skip:]
+    ids = [p.id for p in chosen.prompts[skip:]]
+    cache = specserve_home() / "replay" / f"{target.replace('/', '--')}-{workload}-{max_tokens}.json"
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    missing = [i for i, pid in enumerate(ids) if pid not in known]
+    if missing:
+        log(f"{workload}: decoding {len(missing)} greedy continuations ({max_tokens} tokens)")
+        decoded = greedy_continuations(worker, [encoded[i] for i in missing], max_tokens, stop_ids, log)
+        known.update({ids[i]: out for i, out in zip(missing, decoded)})
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(known))
+    trajectories = [Trajectory(encoded[i], known[pid]) for i, pid in enumerate(ids)]
+    started = time.monotonic()
+    for n, t in enumerate(trajectories, 1):
+        t.hidden = hidden_along(worker, t.prompt, t.continuation)
+        if n % 8 == 0 or n == len(trajectories):
+            log(f"  hidden states: {n}/{len(trajectories)} prompts, {time.monotonic() - started:.0f} s")
+    return trajectories
+
+
+def parse_tree(text: str) -> TreeSpec | None:
+    """'chain' or 'budget=16,depth=4,width=4,min_score=0.05' (TreeSpec's fields)."""
+    if text == "chain":
+        return None
+    fields = dict(part.split("=", 1) for part in text.split(","))
+    return TreeSpec(**{key: (float(v) if key == "min_score" else int(v)) for key, v in fields.items()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specserve.benchmarks.replay", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--heads", nargs="+", default=["medusa", "hydra"],
+                        help="methods (their default heads directories) or heads directories")
+    parser.add_argument("--workloads", nargs="+", default=["code"])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--skip", type=int, default=0, help="skip the workload's first N prompts (tune on others "
+                        "than the benchmark's)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--trees", nargs="+", default=["budget=16,depth=4,width=4,min_score=0.05"])
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+
+    from pathlib import Path
+
+    from specserve.heads import HEAD_METHODS, default_heads_dir
+    from specserve.loading import load_pair
+
+    pair = load_pair(args.target, dtype="float32", release_model_weights=True)
+    pair.add_heads([default_heads_dir(args.target, h) if h in HEAD_METHODS else Path(h) for h in args.heads])
+    stop_ids = set(pair.eos_token_ids)
+    rows = []
+    for workload in args.workloads:
+        trajectories = load_trajectories(pair.target, pair.tokenizer, args.target, workload, args.prompts, args.skip,
+                                         args.max_tokens, stop_ids)
+        for tree_text in args.trees:
+            spec = parse_tree(tree_text)
+            for method, proposer in pair.heads_by_method.items():
+                k = proposer.num_heads if spec is None else min(spec.depth, proposer.num_heads)
+                r = replay(proposer, spec, k, trajectories, args.max_tokens)
+                row = {"workload": workload, "tree": tree_text, "method": method, "accepted_length": r.accepted_length,
+                       "nodes_per_round": r.nodes / max(r.rounds, 1), "accepted_at_depth":
+                       [a / max(r.rounds, 1) for a in r.accepted_at_depth]}
+                rows.append(row)
+                first = next(r for r in rows if r["workload"] == workload and r["tree"] == tree_text)
+                row["vs_first"] = r.accepted_length / first["accepted_length"]
+                print(f"{workload:5} {method:9} {tree_text:45} accepted length {r.accepted_length:.3f}  "
+                      f"({row['vs_first']:.3f}x {first['method']})  nodes/round {row['nodes_per_round']:.1f}  reached " +
+                      " ".join(f"{a:.2f}" for a in row["accepted_at_depth"]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The tree replay (specserve.benchmarks.replay): accepted length of head proposers computed
+from greedy continuations must be the decoder's own, round for round. Tiny seeded models."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import hf_greedy, make_co_located_decoder, tiny_heads, tiny_hydra_heads, tiny_model
+from specserve.benchmarks.replay import Trajectory, follow, greedy_continuations, hidden_along, parse_tree, replay
+from specserve.protocol import SamplingParams, SpecserveError, TokenTree, TreeSpec
+from test_medusa import PROMPTS
+
+TREES = {"chain": None, "dynamic": TreeSpec(budget=10, depth=3, width=3, min_score=0.0),
+         "static": TreeSpec(shape=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))}
+
+
+def test_follow_walks_the_path_the_continuation_takes():
+    tree = TokenTree((5, 6, 7, 8, 7), (-1, -1, 1, 1, 3))
+    assert follow(tree, [6, 8, 7, 1]) == 3
+    assert follow(tree, [6, 7]) == 2
+    assert follow(tree, [9]) == 0
+    assert follow(TokenTree(), [5]) == 0
+
+
+def test_tree_specs_parse_and_bad_ones_are_refused():
+    assert parse_tree("chain") is None
+    assert parse_tree("budget=16,depth=4,width=4,min_score=0.05") == TreeSpec(budget=16, depth=4, width=4,
+                                                                             min_score=0.05)
+    with pytest.raises(SpecserveError, match="budget"):
+        parse_tree("budget=0")
+
+
+@pytest.mark.parametrize("method", ["medusa", "hydra"])
+@pytest.mark.parametrize("shape", sorted(TREES))
+def test_replayed_accepted_length_is_the_decoders(method, shape):
+    from specserve.engine.torch_worker import TorchWorker
+    from specserve.proposers.hydra import HydraProposer
+    from specserve.proposers.medusa import MedusaProposer
+
+    target = tiny_model("qwen2", seed=11)
+    if method == "medusa":
+        proposer = MedusaProposer(tiny_heads(target, noise=0.02))
+    else:
+        proposer = HydraProposer(tiny_hydra_heads(target, noise=0.02))
+    tree, k, max_tokens = TREES[shape], 3, 24
+    decoder = make_co_located_decoder(target, proposer, **({"shape": "chain", "k": k} if tree is None
+                                                           else {"shape": "tree", "tree": tree}))
+    outs = decoder.generate(PROMPTS, SamplingParams(max_tokens=max_tokens))
+    tokens = sum(o.stats.generated_tokens for o in outs)
+    passes = sum(o.stats.target_steps for o in outs)
+
+    worker = TorchWorker(target)
+    continuations = greedy_continuations(worker, PROMPTS, max_tokens, set(), log=lambda _: None)
+    assert continuations == [hf_greedy(target, p, max_tokens) for p in PROMPTS] == [o.token_ids for o in outs]
+    trajectories = [Trajectory(p, c, hidden_along(worker, p, c)) for p, c in zip(PROMPTS, continuations)]
+    result = replay(proposer, tree, k, trajectories, max_tokens)
+    assert sum(result.accepted_at_depth) > 0  # the heads do accept: the comparison means something
+    assert (result.tokens, result.passes) == (tokens, passes)
