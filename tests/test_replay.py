@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import hf_greedy, make_co_located_decoder, tiny_heads, tiny_hydra_heads, tiny_model
+from conftest import hf_greedy, make_co_located_decoder, tiny_heads, tiny_hydra_heads, tiny_model, tiny_redrafter
 from specserve.benchmarks.replay import Trajectory, follow, greedy_continuations, hidden_along, parse_tree, replay
 from specserve.protocol import SamplingParams, SpecserveError, TokenTree, TreeSpec
 from test_medusa import PROMPTS
@@ -30,18 +30,25 @@ def test_tree_specs_parse_and_bad_ones_are_refused():
         parse_tree("budget=0")
 
 
-@pytest.mark.parametrize("method", ["medusa", "hydra"])
-@pytest.mark.parametrize("shape", sorted(TREES))
-def test_replayed_accepted_length_is_the_decoders(method, shape):
-    from specserve.engine.torch_worker import TorchWorker
+def head_proposer(method: str, target):
     from specserve.proposers.hydra import HydraProposer
     from specserve.proposers.medusa import MedusaProposer
+    from specserve.proposers.redrafter import ReDrafterProposer
+
+    if method == "medusa":
+        return MedusaProposer(tiny_heads(target, noise=0.02))
+    if method == "redrafter":
+        return ReDrafterProposer(tiny_redrafter(target, noise=0.02))
+    return HydraProposer(tiny_hydra_heads(target, noise=0.02, prefix_window=6 if method == "hydra++" else 0))
+
+
+@pytest.mark.parametrize(("method", "shape"), [(m, s) for m in ("medusa", "hydra", "hydra++") for s in sorted(TREES)]
+                         + [("redrafter", "chain"), ("redrafter", "dynamic")])
+def test_replayed_accepted_length_is_the_decoders(method, shape):
+    from specserve.engine.torch_worker import TorchWorker
 
     target = tiny_model("qwen2", seed=11)
-    if method == "medusa":
-        proposer = MedusaProposer(tiny_heads(target, noise=0.02))
-    else:
-        proposer = HydraProposer(tiny_hydra_heads(target, noise=0.02))
+    proposer = head_proposer(method, target)
     tree, k, max_tokens = TREES[shape], 3, 24
     decoder = make_co_located_decoder(target, proposer, **({"shape": "chain", "k": k} if tree is None
                                                            else {"shape": "tree", "tree": tree}))
@@ -56,3 +63,4 @@ def test_replayed_accepted_length_is_the_decoders(method, shape):
     result = replay(proposer, tree, k, trajectories, max_tokens)
     assert sum(result.accepted_at_depth) > 0  # the heads do accept: the comparison means something
     assert (result.tokens, result.passes) == (tokens, passes)
+    assert len(getattr(proposer, "contexts", ())) == 0  # the replay leaves no window behind

@@ -1,9 +1,10 @@
-"""Replay co-located head proposers on recorded greedy continuations: accepted length offline.
+"""Replay co-located head proposers (Medusa, Hydra, ReDrafter) on recorded greedy continuations:
+accepted length offline.
 
-    python -m specserve.benchmarks.replay --workloads code --skip 16 --prompts 24 \\
+    specserve replay-heads --workloads code --skip 16 --prompts 24 \\
         --trees 'budget=16,depth=4,width=4,min_score=0.05' 'budget=16,depth=4,width=4,min_score=0'
 
-Under greedy decoding, the rounds of a head proposer (Medusa, Hydra) depend only on the
+Under greedy decoding, the rounds of a head proposer depend only on the
 target's greedy continuation and its hidden states along it: a round whose root is
 continuation token c proposes from the hidden state of the row that produced it, and accepts
 the longest path of the tree that follows the continuation. So one target pass over each
@@ -27,7 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specserve.protocol import ProposeRequest, SamplingParams, TokenTree, TreeSpec
+from specserve.protocol import ProposeRequest, SamplingParams, SpecserveError, TokenTree, TreeSpec
 
 
 def follow(tree: TokenTree, continuation: Sequence[int]) -> int:
@@ -86,13 +87,18 @@ def replay(proposer, spec: TreeSpec | None, k: int, trajectories: Sequence[Traje
 
     result = ReplayResult()
     position = [0] * len(trajectories)  # the root's index in its continuation
-    for t in trajectories:  # the prefill's token
+    windowed = bool(getattr(proposer, "context_window", 0))  # Hydra++: heads read the committed tokens' states
+    for i, t in enumerate(trajectories):  # the prefill's token; the pool has seen the prompt's last row
         result.passes += 1
         result.tokens += 1
+        if windowed:
+            proposer.observe(f"replay-{i}", len(t.prompt) - 1, t.hidden[:1])
     params = SamplingParams(max_tokens=max_tokens)
     while True:
         live = [i for i, t in enumerate(trajectories) if position[i] + 1 < min(len(t.continuation), max_tokens)]
         if not live:
+            for i in range(len(trajectories)):
+                proposer.release(f"replay-{i}")
             return result
         requests = [ProposeRequest(f"replay-{i}", trajectories[i].prompt + trajectories[i].continuation[:position[i] + 1],
                                    k, params, 0, spec) for i in live]
@@ -103,6 +109,9 @@ def replay(proposer, spec: TreeSpec | None, k: int, trajectories: Sequence[Traje
             accepted = follow(proposal.tree, t.continuation[position[i] + 1:])
             committed = min(accepted + 1, remaining)
             result.add(min(accepted, committed), committed, len(proposal.tree.tokens))
+            if windowed:
+                proposer.observe(proposal.request_id, len(t.prompt) + position[i],
+                                 t.hidden[position[i] + 1:position[i] + committed + 1])
             position[i] += committed
 
 
@@ -172,10 +181,11 @@ def parse_tree(text: str) -> TreeSpec | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specserve.benchmarks.replay", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="specserve replay-heads", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--heads", nargs="+", default=["medusa", "hydra"],
-                        help="methods (their default heads directories) or heads directories")
+    parser.add_argument("--heads", nargs="+", default=None,
+                        help="methods (their default heads directories, from `specserve train-heads`) or heads "
+                             "directories (default: every method whose default heads are there)")
     parser.add_argument("--workloads", nargs="+", default=["code"])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--skip", type=int, default=0, help="skip the workload's first N prompts (tune on others "
@@ -187,11 +197,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from pathlib import Path
 
-    from specserve.heads import HEAD_METHODS, default_heads_dir
+    from specserve.heads import HEAD_METHODS, find_heads, require_heads
     from specserve.loading import load_pair
 
+    heads = args.heads or [m for m in HEAD_METHODS if find_heads(args.target, "default", m)]
+    if not heads:
+        raise SpecserveError(f"no heads for {args.target}: train some with `specserve train-heads`, or give --heads")
     pair = load_pair(args.target, dtype="float32", release_model_weights=True)
-    pair.add_heads([default_heads_dir(args.target, h) if h in HEAD_METHODS else Path(h) for h in args.heads])
+    pair.add_heads([require_heads(args.target, "default", h) if h in HEAD_METHODS else Path(h) for h in heads])
     stop_ids = set(pair.eos_token_ids)
     rows = []
     for workload in args.workloads:
