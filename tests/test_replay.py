@@ -28,6 +28,16 @@ def test_tree_specs_parse_and_bad_ones_are_refused():
                                                                              min_score=0.05)
     with pytest.raises(SpecserveError, match="budget"):
         parse_tree("budget=0")
+    for bad in ("breadth=4", "budget", "width=four"):
+        with pytest.raises(SpecserveError, match="tree"):
+            parse_tree(bad)
+
+
+def test_the_cli_refuses_a_bad_tree_before_loading_anything(capsys):
+    from specserve.cli import main
+
+    assert main(["replay-heads", "--trees", "depth=0"]) == 2
+    assert "tree depth" in capsys.readouterr().err
 
 
 def head_proposer(method: str, target):

@@ -172,12 +172,25 @@ def load_trajectories(worker, tokenizer, target: str, workload: str, prompts: in
     return trajectories
 
 
+TREE_FIELDS = {"budget": int, "depth": int, "width": int, "min_score": float}
+
+
 def parse_tree(text: str) -> TreeSpec | None:
-    """'chain' or 'budget=16,depth=4,width=4,min_score=0.05' (TreeSpec's fields)."""
+    """'chain' or 'budget=16,depth=4,width=4,min_score=0.05' (a dynamic TreeSpec's fields;
+    those left out keep TreeSpec's defaults)."""
     if text == "chain":
         return None
-    fields = dict(part.split("=", 1) for part in text.split(","))
-    return TreeSpec(**{key: (float(v) if key == "min_score" else int(v)) for key, v in fields.items()})
+    fields = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in TREE_FIELDS or not value:
+            raise SpecserveError(f"tree {text!r}: give 'chain' or comma-separated {', '.join(TREE_FIELDS)} "
+                                 f"as key=value, e.g. 'budget=16,depth=4,width=4,min_score=0.05'")
+        try:
+            fields[key.strip()] = TREE_FIELDS[key.strip()](value)
+        except ValueError:
+            raise SpecserveError(f"tree {text!r}: {key} must be a number, got {value!r}") from None
+    return TreeSpec(**fields)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,14 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", nargs="+", default=None,
                         help="methods (their default heads directories, from `specserve train-heads`) or heads "
                              "directories (default: every method whose default heads are there)")
-    parser.add_argument("--workloads", nargs="+", default=["code"])
-    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--workloads", nargs="+", default=["code"], help="code (HumanEval) and/or chat (MT-Bench)")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per workload, the benchmark's seeded order")
     parser.add_argument("--skip", type=int, default=0, help="skip the workload's first N prompts (tune on others "
                         "than the benchmark's)")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--trees", nargs="+", default=["budget=16,depth=4,width=4,min_score=0.05"])
+    parser.add_argument("--trees", nargs="+", default=["budget=16,depth=4,width=4,min_score=0.05"],
+                        help="'chain' (one node per head) or dynamic trees as 'budget=16,depth=4,width=4,min_score=0'")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    trees = [(text, parse_tree(text)) for text in args.trees]  # bad shapes are refused before any loading
 
     from pathlib import Path
 
@@ -210,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     for workload in args.workloads:
         trajectories = load_trajectories(pair.target, pair.tokenizer, args.target, workload, args.prompts, args.skip,
                                          args.max_tokens, stop_ids)
-        for tree_text in args.trees:
-            spec = parse_tree(tree_text)
+        for tree_text, spec in trees:
             for method, proposer in pair.heads_by_method.items():
                 k = proposer.num_heads if spec is None else min(spec.depth, proposer.num_heads)
                 r = replay(proposer, spec, k, trajectories, args.max_tokens)
