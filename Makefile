@@ -8,7 +8,7 @@ DEFAULT_MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # Ray 2.60 turns token auth on by default; a local single-user cluster does not need it.
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup models heads heads-hydra heads-redrafter serve serve-vllm generate test test-vllm test-fast test-faults bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-methods bench-hydra bench-speculative bench-adaptive bench-quick bench-full vllm-env kuberay clean
+.PHONY: setup models heads heads-hydra heads-redrafter serve serve-vllm generate test test-vllm test-fast test-faults bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-methods bench-hydra replay-heads bench-speculative bench-adaptive bench-quick bench-full vllm-env kuberay clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -114,6 +114,20 @@ bench-methods: models
 # 16-node trees, pruned at path score 0.05 and full, 16 held-out prompts per workload, one pass.
 bench-hydra: models
 	$(VENV)/bin/specserve bench --preset hydra --out bench-results/hydra
+
+# The same question offline, with more prompts and shapes: every trained head method's accepted
+# length (no tokens/s) with chains and 8-32-node trees on all 40 held-out HumanEval prompts and
+# the 16 held-out MT-Bench questions, replayed from the target's greedy continuations (about 15
+# minutes the first time on a 2-core CPU, continuations then cached; 5 minutes after).
+REPLAY_TREES = chain budget=8,depth=4,width=2,min_score=0 budget=12,depth=4,width=3,min_score=0 \
+	budget=16,depth=4,width=4,min_score=0.05 budget=16,depth=4,width=4,min_score=0 \
+	budget=24,depth=4,width=6,min_score=0 budget=32,depth=4,width=8,min_score=0
+replay-heads: models
+	mkdir -p bench-results/replay-heads
+	$(VENV)/bin/specserve replay-heads --workloads code --prompts 40 --trees $(REPLAY_TREES) \
+		--json bench-results/replay-heads/code40.json
+	$(VENV)/bin/specserve replay-heads --workloads chat --prompts 16 --trees $(REPLAY_TREES) \
+		--json bench-results/replay-heads/chat16.json
 
 # Each engine's speculative methods at their best, batch 1 (vLLM's Medusa runs the same heads).
 bench-speculative: models vllm-env
