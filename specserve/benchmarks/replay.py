@@ -124,12 +124,14 @@ def greedy_continuations(worker, prompts: Sequence[list[int]], max_tokens: int, 
     outputs: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))
     started = time.monotonic()
+    step = 0
     while live:
         rows = worker.run([ForwardItem(f"greedy-{i}", prompts[i] + outputs[i]) for i in live])
         for i, r in zip(live, rows):
             outputs[i].append(int(r.argmax()[0]))
         live = [i for i in live if len(outputs[i]) < max_tokens and outputs[i][-1] not in stop_ids]
-        if len(outputs[0]) % 16 == 0 or not live:
+        step += 1
+        if step % 16 == 0 or not live:
             log(f"  greedy: {max(map(len, outputs))}/{max_tokens} tokens, {time.monotonic() - started:.0f} s")
     for i in range(len(prompts)):
         worker.release(f"greedy-{i}")
