@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import hf_greedy, make_co_located_decoder, tiny_heads, tiny_hydra_heads, tiny_model, tiny_redrafter
-from specserve.benchmarks.replay import Trajectory, follow, greedy_continuations, hidden_along, parse_tree, replay
+from specserve.benchmarks.replay import Trajectory, greedy_continuations, hidden_along, parse_tree, replay
 from specserve.protocol import SamplingParams, SpecserveError, TokenTree, TreeSpec
 from test_medusa import PROMPTS
 
@@ -14,12 +14,12 @@ TREES = {"chain": None, "dynamic": TreeSpec(budget=10, depth=3, width=3, min_sco
          "static": TreeSpec(shape=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))}
 
 
-def test_follow_walks_the_path_the_continuation_takes():
-    tree = TokenTree((5, 6, 7, 8, 7), (-1, -1, 1, 1, 3))
-    assert follow(tree, [6, 8, 7, 1]) == 3
-    assert follow(tree, [6, 7]) == 2
-    assert follow(tree, [9]) == 0
-    assert follow(TokenTree(), [5]) == 0
+def test_greedy_acceptance_walks_the_path_the_continuation_takes():
+    tree = TokenTree((5, 6, 7, 8, 7), (-1, -1, 1, 1, 3))  # what replay counts: len(tree.path_of(continuation))
+    assert len(tree.path_of([6, 8, 7, 1])) == 3
+    assert len(tree.path_of([6, 7])) == 2
+    assert len(tree.path_of([9])) == 0
+    assert len(TokenTree().path_of([5])) == 0
 
 
 def test_tree_specs_parse_and_bad_ones_are_refused():

@@ -31,22 +31,6 @@ from dataclasses import dataclass, field
 from specserve.protocol import ProposeRequest, SamplingParams, SpecserveError, TokenTree, TreeSpec
 
 
-def follow(tree: TokenTree, continuation: Sequence[int]) -> int:
-    """How many of `continuation`'s tokens the tree holds as one path from the root: greedy
-    acceptance against a known continuation (nodes are in level order, parents first).
-
-    >>> follow(TokenTree((5, 6, 7, 8), (-1, -1, 1, 1)), [6, 8, 9])
-    2
-    """
-    node, accepted = -1, 0
-    for token in continuation:
-        child = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)) if p == node and t == token), None)
-        if child is None:
-            break
-        node, accepted = child, accepted + 1
-    return accepted
-
-
 @dataclass
 class Trajectory:
     """One prompt's greedy continuation and the target's hidden state of each row that
@@ -106,7 +90,7 @@ def replay(proposer, spec: TreeSpec | None, k: int, trajectories: Sequence[Traje
         for i, proposal in zip(live, proposer.propose_from_hidden(requests, hidden)):
             t = trajectories[i]
             remaining = min(len(t.continuation), max_tokens) - position[i] - 1
-            accepted = follow(proposal.tree, t.continuation[position[i] + 1:])
+            accepted = len(proposal.tree.path_of(t.continuation[position[i] + 1:]))  # greedy acceptance
             committed = min(accepted + 1, remaining)
             result.add(min(accepted, committed), committed, len(proposal.tree.tokens))
             if windowed:
@@ -235,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                        "nodes_per_round": r.nodes / max(r.rounds, 1), "accepted_at_depth":
                        [a / max(r.rounds, 1) for a in r.accepted_at_depth]}
                 rows.append(row)
-                first = next(r for r in rows if r["workload"] == workload and r["tree"] == tree_text)
+                first = next(x for x in rows if x["workload"] == workload and x["tree"] == tree_text)
                 row["vs_first"] = r.accepted_length / first["accepted_length"]
                 print(f"{workload:5} {method:9} {tree_text:45} accepted length {r.accepted_length:.3f}  "
                       f"({row['vs_first']:.3f}x {first['method']})  nodes/round {row['nodes_per_round']:.1f}  reached " +
