@@ -422,15 +422,54 @@ def test_an_epoch_measures_the_rounds_that_began_in_it_whole():
     assert long.counted and not late.counted and late.mode == "model"
     for r in (before, *others):
         modes.end(r, 4, 3.0)
-    assert modes.begin(8.0, 4).mode == "model"  # `long` still runs: the epoch waits for it
+    waiting = modes.begin(8.0, 4)
+    assert waiting.mode == "model"  # `long` still runs: the epoch waits for it
     assert modes.levels[MeasuredModes.level(4)].model is None
     modes.end(late, 2, 2.0)  # not counted
+    modes.end(waiting, 2, 1.5)
     modes.end(long, 8, 6.0)
     nxt = modes.begin(10.0, 4)
     assert nxt.mode == "off" and nxt.counted  # measured: the next epoch opens at once
     assert modes.levels[MeasuredModes.level(4)].model == pytest.approx((4 * 4 + 8) / (4 * 3.0 + 6.0) * 4)
     modes.end(before, 100, 1.0)  # a round of an epoch gone counts nowhere
     assert modes._tokens == 0
+
+
+def test_an_epoch_that_changes_the_mode_measures_once_the_other_mode_s_rounds_ended():
+    """Rounds of the last epoch's tail share the target's passes with the next epoch's first
+    rounds: off's first rounds after the model ran beside 4-token verifies and the draft pool's
+    work (chat, 8 streams: off measured 8.0 tok/s against the model's 9.0 where always off was
+    9% faster). A switch's window opens once the other mode's rounds ended, its time from then."""
+    modes = MeasuredModes(epoch_s=1.0)
+    window = [modes.begin(t, 3) for t in (0.0, 0.1, 0.2)]
+    tail = modes.begin(1.5, 3)  # after the window: the model's tail
+    for r in window:
+        modes.end(r, 4, 1.0)
+    first_off = modes.begin(2.0, 3)  # off now, but the model's tail still runs
+    assert first_off.mode == "off" and not first_off.counted and modes._settling
+    assert modes.begin(2.5, 3).mode == "off"  # still settling: uncounted
+    modes.end(tail, 3, 1.5)
+    modes.end(first_off, 1, 0.5)
+    counted = [modes.begin(t, 3) for t in (3.0, 3.1, 3.2)]
+    assert all(r.counted and r.mode == "off" for r in counted)
+    counted.append(modes.begin(3.9, 3))
+    assert counted[-1].counted  # the window runs from 3.0, not from the switch at 2.0
+    for r in counted:
+        modes.end(r, 1, 0.5)
+    assert modes.begin(4.1, 3).mode == "model"  # off measured, on its own rounds only
+    assert modes.levels[MeasuredModes.level(3)].off == pytest.approx(4 / 2.0 * 3)
+
+
+def test_a_switch_whose_other_mode_s_rounds_hang_measures_nothing():
+    modes = MeasuredModes(epoch_s=1.0, max_epoch_s=10.0)
+    window = [modes.begin(t, 3) for t in (0.0, 0.1, 0.2)]
+    stuck = modes.begin(1.5, 3)  # a tail round that never ends
+    for r in window:
+        modes.end(r, 4, 1.0)
+    epoch = modes.begin(2.0, 3).epoch
+    assert modes.begin(13.0, 3).epoch > epoch  # given up after max_epoch_s
+    assert modes.levels[MeasuredModes.level(3)].off is None
+    modes.end(stuck, None)
 
 
 def test_a_round_is_measured_over_its_own_time_and_not_at_all_where_prefills_took_most_of_it():
