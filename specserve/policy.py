@@ -641,8 +641,10 @@ class MeasuredModes:
     their own seconds (less the prompt prefills they overlapped, which come with arrivals in
     either mode; a round that spent over half its time so, or that is a request's first, is
     not counted) x requests in flight, into the EMA of the mode at its level (log2 buckets of
-    requests in flight). An epoch whose level changed, or that did not close within
-    `max_epoch_s` (rounds hanging), measures nothing.
+    requests in flight). An epoch whose level changed, that did not close within
+    `max_epoch_s` (rounds hanging), or that kept under half the rounds it counted (the rest
+    failed or waited for prefills), measures nothing; the next epoch measures that mode again
+    unless the decision moved on.
 
     Deciding. The next epoch runs the better mode, switching only for more than `hysteresis`.
     A level's first decision, on one epoch of each mode, gives a tie to the model: the model's
@@ -719,7 +721,8 @@ class MeasuredModes:
     _needed: int = 0  # round starts the window waits for
     _starts: int = 0  # rounds that began in the window ...
     _open: int = 0  # ... of which not yet ended
-    _tokens: int = 0  # ... emitted by those that ended counted
+    _kept: int = 0  # ... of which ended counted (not failed, not mostly waiting for prefills)
+    _tokens: int = 0  # ... emitted by those
     _seconds: float = 0.0  # ... in their own time
     _in_flight: int = 0  # summed over the window's round starts
     _exploring: bool = False  # the running epoch runs the mode its level measured worse
@@ -786,6 +789,7 @@ class MeasuredModes:
             self._open -= 1
             own_s = seconds - prefill_s
             if tokens is not None and own_s > 0 and own_s >= seconds / 2:
+                self._kept += 1
                 self._tokens += tokens
                 self._seconds += own_s
 
@@ -862,7 +866,7 @@ class MeasuredModes:
         self._settling = level > 0 and not self.warming_up and self._others_running()
         self._window = level > 0 and not self.warming_up and not self._settling
         self._needed = max(in_flight, self.min_in_flight)
-        self._starts = self._open = self._tokens = self._in_flight = 0
+        self._starts = self._open = self._kept = self._tokens = self._in_flight = 0
         self._seconds = 0.0
         self._exploring, self._retries = exploring, retries
 
@@ -871,8 +875,12 @@ class MeasuredModes:
         return any(n > 0 for mode, n in self._running.items() if mode != self.current)
 
     def _close(self) -> bool:
-        """Measure the epoch whose rounds all ended; returns whether it measured its mode."""
-        if not self._seconds:  # every round it counted failed
+        """Measure the epoch whose rounds all ended; returns whether it measured its mode: not
+        if most of its rounds failed or waited for prefills (the rest are too few to tell the
+        mode's goodput from one round's acceptance: at code 16 streams the model's first look,
+        its window opened while the wave's last prompts prefilled, kept 1 round of 16, 2 tokens
+        in 2.7 s, and measured 11.8 tok/s where always on's steady state ran ~20)."""
+        if not self._seconds or 2 * self._kept < self._starts:
             return False
         goodput = self._tokens / self._seconds * self._in_flight / self._starts
         measured = self._measured(self._level)

@@ -174,20 +174,29 @@ class RequestState:
         """Tokens the draft pool has not seen: what it must prefill before drafting again."""
         return len(self.token_ids) - self.draft_synced
 
-    def draft_sync_due(self) -> bool:
+    def draft_sync_due(self, others_prefilling: bool = False) -> bool:
         """Serving: whether the draft pool should catch up on this request in the background
         now, its rounds running target-only meanwhile, instead of a round waiting for the
         catch-up (its prompt, or what it emitted while speculation was off). Due when the
         request drafts from a draft pool at this round's depth, the pool has fallen more than a
         round's sync behind (draft_catches_up), none runs already, and the depth is not pinned
         (a seeded sampled request's draws must not depend on when a catch-up ends).
+        `others_prefilling`: other requests' prompts prefill as this one's first round begins;
+        then an adaptive request leaves its prompt's catch-up to its next round.
 
         Why: a round that waits for its catch-up holds the target's work for it; after
         speculation came back on at 16 streams, 16 catch-ups of ~140 tokens each kept every
-        request waiting on the draft pool for tens of seconds on a 2-core CPU."""
+        request waiting on the draft pool for tens of seconds on a 2-core CPU. Why the wait in a
+        burst: its requests enter one by one, so the first ones decide at the load of the few
+        before them (1, 2, ... in flight, where the model speculates) what the burst's load
+        would decide otherwise; at code 8 streams on a 2-core CPU 5 of a wave's 8 requests
+        prefilled their prompts on the draft pool in an epoch where all 8 then ran off, and the
+        wave's prompts took 32 s to prefill where always off's took 29."""
         spec = self.speculation
         if (not self.prefill_without_draft or self.draft_syncing or self.pinned_depth or spec.co_located
                 or spec.draft_cost != "pool" or self._depth() == 0 or self.room() <= 1):
+            return False
+        if others_prefilling and self.adaptive and not self.output_ids:
             return False
         return draft_catches_up(self.draft_unseen, spec.depth)
 

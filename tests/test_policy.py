@@ -486,6 +486,45 @@ def test_a_round_is_measured_over_its_own_time_and_not_at_all_where_prefills_too
     assert modes.levels[MeasuredModes.level(3)].model == pytest.approx((4 + 2) / (2.0 + 1.0) * 3)
 
 
+def test_an_epoch_that_kept_under_half_its_rounds_measures_nothing_and_the_mode_is_measured_again():
+    """At code 16 streams the model's first look opened while the wave's last prompts
+    prefilled: 15 of its 16 rounds waited for them, and the one left (2 tokens in 2.7 s)
+    measured the model at 11.8 tok/s where always on's steady state ran ~20, so off won and
+    the switch back never fitted the budget. Under half the rounds kept: nothing measured."""
+    modes = MeasuredModes(epoch_s=1.0)
+    rounds = [modes.begin(t, 4) for t in (0.0, 0.1, 0.2, 0.3)]
+    for r in rounds[:3]:
+        modes.end(r, 4, 3.0, prefill_s=2.9)  # waited for prefills: left out
+    modes.end(rounds[3], 2, 2.7)
+    again = modes.begin(3.5, 4)
+    assert again.mode == "model" and again.counted  # measured nothing: the model again
+    assert modes.levels[MeasuredModes.level(4)].model is None
+    rest = [again] + [modes.begin(t, 4) for t in (3.6, 3.7, 3.8)]
+    modes.end(rest[0], 2, 3.0, prefill_s=2.9)  # one of four left out: 3 kept, measured
+    for r in rest[1:]:
+        modes.end(r, 4, 1.0)
+    assert modes.begin(4.6, 4).mode == "off"
+    assert modes.levels[MeasuredModes.level(4)].model == pytest.approx(12 / 3.0 * 4)
+
+
+def test_an_adaptive_request_in_a_burst_leaves_its_prompt_s_catch_up_to_its_next_round():
+    """A burst's requests enter one by one, so the first ones would decide at the load of the
+    few before them; a first round that begins while other prompts prefill does not start its
+    draft pool's catch-up (its next round, at the burst's load, decides). A lone request's
+    does, and a fixed setting's is not held back."""
+    prompt = list(range(1, 41))
+
+    def request(policy):
+        return RequestState("r", prompt, SamplingParams(max_tokens=100),
+                            Speculation(proposer="draft", k=4, policy=policy), prefill_without_draft=True)
+
+    adaptive = request("adaptive")
+    assert adaptive.draft_sync_due() and not adaptive.draft_sync_due(others_prefilling=True)
+    assert request("fixed").draft_sync_due(others_prefilling=True)
+    adaptive.output_ids = [7]  # its next round: the catch-up is due whoever prefills
+    assert adaptive.draft_sync_due(others_prefilling=True)
+
+
 def test_an_epoch_whose_load_changed_measures_nothing():
     modes = MeasuredModes(epoch_s=1.0)
     first = modes.begin(0.0, 8)
