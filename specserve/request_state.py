@@ -181,8 +181,8 @@ class RequestState:
         request drafts from a draft pool at this round's depth, the pool has fallen more than a
         round's sync behind (draft_catches_up), none runs already, and the depth is not pinned
         (a seeded sampled request's draws must not depend on when a catch-up ends).
-        `others_prefilling`: other requests' prompts prefill as this one's first round begins;
-        then an adaptive request leaves its prompt's catch-up to its next round.
+        `others_prefilling`: other requests' prompts prefill now; then an adaptive request in
+        its first round (nothing emitted yet) leaves its prompt's catch-up to its next round.
 
         Why: a round that waits for its catch-up holds the target's work for it; after
         speculation came back on at 16 streams, 16 catch-ups of ~140 tokens each kept every

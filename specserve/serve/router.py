@@ -389,7 +389,7 @@ class Router(GrpcApi):
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off",
                                             measured_level=self.modes.measures(self.in_rounds))
                 # the draft pool catches up meanwhile: this round runs target-only
-                if state.draft_sync_due(others_prefilling=prefill and self.prefills.active > 0):
+                if state.draft_sync_due(others_prefilling=self.prefills.active > 0):
                     self._sync_draft(state)
                 ahead = state.take_ahead()  # drafted during the last verify (speculation.draft_ahead)
                 draft_call = state.needs_proposer and state.speculation.draft_cost == "pool" and ahead is None
