@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from specserve.serve import batching
 from specserve.serve.batching import RUN_AGAIN, ContinuousBatcher
 
 
@@ -97,22 +98,24 @@ def test_plan_prefill_chunks_bounds_the_prompt_tokens_of_a_pass():
         assert computed <= 256
 
 
-def _two_phase_streams(join_fraction: float, trips: list[float], second_half_at: float) -> list[list[int]]:
+def _two_phase_streams(join_fraction: float, trips: list[float], second_half_at: float,
+                       pass_s: float = 0.04, jitter_s: float = 0.0) -> list[list[int]]:
     """Four streams, the last two started `second_half_at` s after the first two, each making
     one call per entry of `trips` and then waiting that long (the router's round trip) before
-    the next; passes take 40 ms. Returns each pass's calls."""
+    the next, plus `jitter_s` in every other round (streams 0 and 2 in odd rounds, 1 and 3 in
+    even ones); passes take `pass_s`. Returns each pass's calls."""
     batches = []
 
     def run(items):
         batches.append(sorted(items))
-        time.sleep(0.04)
+        time.sleep(pass_s)
         return items
 
     async def stream(batcher, name, start):
         await asyncio.sleep(start)
-        for trip in trips:
+        for i, trip in enumerate(trips):
             await batcher.submit(name)
-            await asyncio.sleep(trip)
+            await asyncio.sleep(trip + jitter_s * ((i + name) % 2))
 
     async def scenario():
         batcher = ContinuousBatcher(run, max_batch_size=8, key=lambda item: item, join_fraction=join_fraction)
@@ -134,6 +137,20 @@ def test_streams_in_alternating_phases_are_joined_into_full_passes():
     joined = _phase_split_streams(0.75)
     assert len(joined) < len(split) * 0.75
     assert sum(len(b) == 4 for b in joined) >= 5
+
+
+def test_calls_a_little_later_than_usual_still_join_a_long_pass(monkeypatch):
+    """A router's round trip jitters (on a loaded 2-core machine by some 10 ms): a call 15 ms
+    past its usual return still joins a 0.4 s pass (the grace is 5% of a pass, 20 ms), where a
+    flat 5 ms grace starts the pass without it and the stream waits a whole pass."""
+    def passes(late_fraction: float) -> list[list[int]]:
+        monkeypatch.setattr(batching, "LATE_FRACTION", late_fraction)
+        return _two_phase_streams(0.5, [0.01] * 7, second_half_at=0.0, pass_s=0.4, jitter_s=0.015)
+
+    graced, flat = passes(batching.LATE_FRACTION), passes(0.0)
+    # full passes once return times are known (a stream's first return has none: one split)
+    assert sum(len(b) < 4 for b in graced) <= 2
+    assert len(flat) > len(graced)  # the same calls in more, partial passes
 
 
 def test_a_finished_request_is_not_waited_for():

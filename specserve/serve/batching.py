@@ -15,7 +15,11 @@ after a round without a draft, back after a draft pass otherwise), so it is due 
 of its usual return and its last one: after an epoch of drafting rounds under the adaptive
 policy, an EMA alone still said "not due" for several rounds of straight returns, and 8
 streams kept running as two waves of 4 (0.53 s passes where one of 8 took 0.62 s). Waiting
-for a call that then does not come costs LATE_S.
+for a call that then does not come costs its grace: LATE_FRACTION of a pass, at least LATE_S.
+A router's return time jitters by some 10 ms on a loaded 2-core machine (chat at 8 streams:
+answer to next call 9-27 ms, p10-p90); with a flat 5 ms grace 18% of calls came 2-16 ms past
+it, found their pass started without them and waited a whole 0.65 s pass. Waiting a few more
+ms for a call is cheap next to a pass, so the grace scales with the pass.
 
 A batch may answer RUN_AGAIN for a call it only advanced (a chunk of a long prompt): that call
 goes back to the front of the queue and joins the next pass with whatever arrived meanwhile.
@@ -30,7 +34,8 @@ from typing import Callable, Hashable
 RUN_AGAIN = object()  # a batch result: not finished, run this call again in the next pass
 EMA = 0.3  # weight of a new measurement of a pass's duration or a request's return time
 FORGET_S = 60.0  # a request not heard from for this long has ended
-LATE_S = 0.005  # a call this much later than its usual return time is not waited for any longer
+LATE_S = 0.005  # the least grace: a call this much later than its usual return is not waited for
+LATE_FRACTION = 0.05  # the grace as a share of a pass (33 ms of a 0.65 s pass)
 
 
 class ContinuousBatcher:
@@ -94,17 +99,21 @@ class ContinuousBatcher:
 
     def _due(self, now: float, limit: float) -> list[float]:
         """When the calls expected before `limit` should arrive (requests answered earlier and
-        not back yet, less those already later than their usual return by LATE_S)."""
+        not back yet, less those already later than their usual return by the grace)."""
         due, gone = [], []
+        grace = self._grace_s()
         for key, answered in self._answered_at.items():
             expected = answered + min(self._return_s.get(key, 0.0), self._last_return_s.get(key, 0.0))
-            if key in self._return_s and expected <= limit and now <= expected + LATE_S:
+            if key in self._return_s and expected <= limit and now <= expected + grace:
                 due.append(expected)
             elif now - answered > FORGET_S:
                 gone.append(key)
         for key in gone:  # a request that ended without a release (its router went away)
             self.forget(key)
         return due
+
+    def _grace_s(self) -> float:
+        return max(LATE_S, LATE_FRACTION * self._pass_s)
 
     async def _wait_for_due_calls(self) -> None:
         """Hold the pass (at most join_fraction of a pass) while calls are due to arrive."""
@@ -119,7 +128,7 @@ class ContinuousBatcher:
                 break
             waited = True
             self._arrived.clear()
-            wake = min(limit, max(due) + LATE_S)
+            wake = min(limit, max(due) + self._grace_s())
             try:
                 await asyncio.wait_for(self._arrived.wait(), timeout=max(0.0, wake - now))
             except asyncio.TimeoutError:
