@@ -667,9 +667,10 @@ class MeasuredModes:
     catch-ups of every steered request past its first round). A wave of new requests costs
     nothing to switch (their draft pools prefill the prompts, as always on's do), so a new
     level looks at the model first; one reached in mid-wave runs off until the switch fits.
-    A first look warms up too while prompts prefill or catch-ups run (the new requests' draft
-    prefills, which its epoch would measure as the model's), but is no switch: it takes
-    nothing from the budget.
+    A first look warms up too while prompts prefill or catch-ups run or are owed (the new
+    requests' draft prefills, which its epoch would measure as the model's; a request of a
+    burst owes its prompt's until its second round), but is no switch: it takes nothing from
+    the budget.
 
     Predicting off. Off's costs are the target's passes and nothing else, which the load model
     sees whole (`LoadModel.off_goodput`): where the model measured above that prediction by
@@ -763,7 +764,7 @@ class MeasuredModes:
         """A round of a steered request begins now: its mode, "model" (the per-request policy
         decides) or "off". `prefilling`: a prompt prefill runs now (PrefillWatch.active, this
         round's own included); `catching_up`: a draft pool's catch-up runs now
-        (PrefillWatch.catching_up); `first_round`: this round prefills its prompt (never
+        (PrefillWatch.catching_up) or a request owes one (RequestState.draft_catch_up_owed); `first_round`: this round prefills its prompt (never
         counted); `switch_cost_s`: what switching the requests to the model would cost now (the
         draft pools' catch-ups, predicted; 0 without a draft pool); `off_predicted`: the
         goodput off would have now (LoadModel.off_goodput; None: not known, so off is measured).

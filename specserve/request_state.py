@@ -200,6 +200,15 @@ class RequestState:
             return False
         return draft_catches_up(self.draft_unseen, spec.depth)
 
+    def draft_catch_up_owed(self) -> bool:
+        """Serving: whether this request's draft pool is a catch-up behind (draft_catches_up)
+        with none running: its next drafting round starts it (draft_sync_due) or waits for it.
+        Its prompt, left to its second round in a burst, or what it emitted while speculation
+        was off."""
+        spec = self.speculation
+        return (spec.draft_cost == "pool" and not spec.co_located and not self.draft_syncing
+                and self.room() > 1 and draft_catches_up(self.draft_unseen, spec.depth))
+
     def sync_request(self) -> ProposeRequest:
         """The background catch-up's call: a one-token draft (its prefill is the point; the
         draft is discarded) of every token so far. Marks the catch-up running."""

@@ -421,11 +421,11 @@ def test_service_passes_take_turns_and_add_up(monkeypatch, tmp_path):
     async def warm_up(*args, **kwargs):
         return 0.0, []
 
-    def measure(run, url, model, prompt_ids, max_tokens, spec):
+    def measure(run, url, model, prompt_ids, max_tokens, spec, pass_index=0):
         order.append((run.concurrency, run.system))
         run.wall_s += 2.0
         run.tokens += 10 * len(order)
-        run.pass_throughputs.append(5.0 * len(order))
+        run.add_to_pass(pass_index, 10 * len(order), 2.0)
 
     monkeypatch.setattr(suite.service, "wait_healthy", lambda *args: None)
     monkeypatch.setattr(suite.service, "run_level", warm_up)
@@ -453,6 +453,29 @@ def test_service_passes_take_turns_and_add_up(monkeypatch, tmp_path):
     assert none_at_1.wall_s == 6.0 and none_at_1.tokens == 10 * (1 + 4 + 5)
     assert none_at_1.pass_throughputs == [5.0, 20.0, 25.0]
     assert "passes 5.00, 20.00, 25.00 tok/s" in suite.report._service_notes(none_at_1.as_dict())
+
+
+def test_one_stream_takes_turns_prompt_by_prompt():
+    """At 1 stream each prompt gets its own A B C C B A turns, rotated from prompt to prompt (a
+    pass adds up its turns); at more streams a pass is a whole wave, A B C C B A."""
+    from specserve.benchmarks.service import measuring_turns
+
+    a, b, c = (systems.specserve_system(m, {}) for m in ("none", "draft", "ngram"))
+    lone = measuring_turns([a, b, c], 2, 3, 1)
+    assert [(s.name, p, prompts) for s, p, prompts in lone[:6]] == [
+        (a.name, 0, [0]), (b.name, 0, [0]), (c.name, 0, [0]), (c.name, 1, [0]), (b.name, 1, [0]), (a.name, 1, [0])]
+    assert [s.name for s, _, _ in lone[6:9]] == [b.name, c.name, a.name]  # rotated for prompt 1
+    for system in (a, b, c):  # every system sends every prompt once per pass
+        for p in (0, 1):
+            assert sorted(i for s, q, prompts in lone if s is system and q == p for i in prompts) == [0, 1, 2]
+    waves = measuring_turns([a, b, c], 2, 8, 4)
+    assert [(s.name, p) for s, p, _ in waves] == [(a.name, 0), (b.name, 0), (c.name, 0),
+                                                  (c.name, 1), (b.name, 1), (a.name, 1)]
+    assert all(prompts == list(range(8)) for _, _, prompts in waves)
+    run = systems.ServiceRun("x", "none", "code", 1)
+    for p, tokens in ((0, 10), (1, 30), (0, 20)):
+        run.add_to_pass(p, tokens, 2.0)
+    assert run.pass_throughputs == [7.5, 15.0]
 
 
 def test_service_mode_measures_a_running_server_with_url(monkeypatch, tmp_path):

@@ -525,6 +525,31 @@ def test_an_adaptive_request_in_a_burst_leaves_its_prompt_s_catch_up_to_its_next
     assert adaptive.draft_sync_due(others_prefilling=True)
 
 
+def test_a_catch_up_left_to_a_later_round_is_owed_until_it_starts():
+    """The router's warm-up of the model waits for owed catch-ups as for running ones: a
+    request of a burst owes its prompt's until its second round starts it, and one that ran
+    off owes what it emitted; a running catch-up, a round's usual sync and co-located heads
+    owe nothing."""
+    prompt = list(range(1, 41))
+    state = RequestState("r", prompt, SamplingParams(max_tokens=100),
+                         Speculation(proposer="draft", k=4, policy="adaptive"), prefill_without_draft=True)
+    assert state.draft_catch_up_owed()  # the prompt: 40 unseen tokens
+    state.output_ids = [7]  # its first round left it (others prefilled)
+    assert state.draft_catch_up_owed()
+    state.sync_request()
+    assert not state.draft_catch_up_owed()  # it runs: PrefillWatch counts it
+    state.draft_syncing = False
+    state.output_ids = [7, 8, 9]
+    assert not state.draft_catch_up_owed()  # 2 tokens behind: the next round's usual sync
+    state.output_ids = list(range(7, 27))  # 20 tokens emitted with speculation off
+    assert state.draft_catch_up_owed()
+    state.output_ids = list(range(7, 7 + 99))  # one token of room left: no draft, no catch-up
+    assert not state.draft_catch_up_owed()
+    heads = RequestState("r", prompt, SamplingParams(max_tokens=100),
+                         Speculation(proposer="medusa", k=4, policy="adaptive"), prefill_without_draft=True)
+    assert not heads.draft_catch_up_owed()
+
+
 def test_an_epoch_whose_load_changed_measures_nothing():
     modes = MeasuredModes(epoch_s=1.0)
     first = modes.begin(0.0, 8)

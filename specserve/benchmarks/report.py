@@ -494,6 +494,8 @@ def _setup(setup: dict) -> list[str]:
     if setup.get("service_workloads"):
         out.append(f"- service mode: `serve run` of {setup.get('manifest') or 'a config generated for the pair'}, "
                    f"concurrency {', '.join(map(str, setup['concurrency']))}; {_service_load(setup)}")
+        if setup.get("service_turns"):  # runs before it took turns per wave at every level
+            out.append(f"- service mode's turns: {setup['service_turns']}")
     return out
 
 

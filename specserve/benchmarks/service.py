@@ -66,16 +66,16 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
                 startup_timeout_s: float = 900,
                 level_done: Callable[[list[ServiceRun]], None] | None = None) -> list[ServiceRun]:
     """At concurrency c each workload sends its first max(requests, c) prompts over c streams,
-    once per system per pass; the systems take turns, A B .. B A, in `repeats` passes whose
-    tokens and wall times add up. Starts `serve run MANIFEST` for the sweep; with no manifest,
-    measures the server at ``url``. `level_done` gets the runs of every level finished so far
-    after each (concurrency, workload) level, so a long sweep keeps what it measured."""
+    once per system per pass, in `repeats` passes whose tokens and wall times add up; the
+    systems take turns as `measuring_turns` orders them. Starts `serve run MANIFEST` for the
+    sweep; with no manifest, measures the server at ``url``. `level_done` gets the runs of every
+    level finished so far after each (concurrency, workload) level, so a long sweep keeps what it
+    measured."""
     import httpx
 
-    levels = [(c, w, ids) for c in concurrency for w, ids in encoded]
+    levels = [(c, w, ids[:max(requests, c)]) for c in concurrency for w, ids in encoded]
     cells = [(c, w, ids, s) for c, w, ids in levels for s in systems]
-    # the measuring order: at each concurrency and workload the systems take turns, A B .. B A
-    turns = [s for rep in range(repeats) for s in (systems if rep % 2 == 0 else systems[::-1])]
+    turns = {(c, len(ids)): measuring_turns(systems, repeats, len(ids), c) for c, _, ids in levels}
     bar.set_description("serve run (starting)" if manifest else f"server at {url}")
     server = start_server(manifest, str(log_path)) if manifest else None
     try:
@@ -83,7 +83,7 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
             wait_healthy(url, startup_timeout_s, server)
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         except Exception as exc:
-            bar.update(len(levels) * len(turns))
+            bar.update(sum(len(t) for t in turns.values()))
             reason = f"the server did not start: {exc} (log {log_path}: {_log_tail(log_path)})"
             return [ServiceRun(s.name, s.method, w.name, c, status=CANNOT_RUN, reason=reason) for c, w, _, s in cells]
         refused = {}
@@ -96,14 +96,15 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
         runs = {(c, w.name, s.name): ServiceRun(s.name, s.method, w.name, c) for c, w, _, s in cells}
         finished = []
         for c, workload, prompt_ids in levels:
-            for system in turns:
+            for system, pass_index, prompts in turns[c, len(prompt_ids)]:
                 bar.set_description(f"{system.name} x{c} {workload.name}")
                 run = runs[c, workload.name, system.name]
                 if system.name in refused:
                     run.status, run.reason = CANNOT_RUN, refused[system.name]
                 elif run.status == OK:  # a pass that failed ends the cell's measuring
                     try:
-                        measure(run, url, model, prompt_ids[:max(requests, c)], max_tokens, speculation(system))
+                        measure(run, url, model, [prompt_ids[i] for i in prompts], max_tokens, speculation(system),
+                                pass_index=pass_index)
                     except Exception as exc:
                         run.status, run.reason = FAILED, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                 bar.update(1)
@@ -117,6 +118,35 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
             stop_server(server)
 
 
+TURNS = "per wave of requests, A B .. B A; at 1 stream per prompt, A B .. B A, rotated from prompt to prompt"
+
+
+def turn_count(systems: list[System], encoded: Encoded, *, concurrency: list[int], requests: int,
+               repeats: int) -> int:
+    """How many turns `run_service` measures (its progress bar's total)."""
+    return sum(len(measuring_turns(systems, repeats, len(ids[:max(requests, c)]), c))
+               for c in concurrency for _, ids in encoded)
+
+
+def measuring_turns(systems: list[System], repeats: int, prompts: int,
+                    concurrency: int) -> list[tuple[System, int, list[int]]]:
+    """One level's measuring order: (system, pass, the prompts it sends) in turn. The systems
+    take turns A B .. B A, pass by pass, so drift over the level lands on each alike. One
+    stream sends its requests one at a time, so there a pass needs no whole wave: each prompt
+    gets its own turns, A B C C B A, the order rotated from prompt to prompt. Drift over minutes
+    then cancels within each prompt's turns (a wave of 8 requests at 1 stream takes ~2.5 min;
+    as A B C C B A waves, the middle system's passes took the level's middle 5 minutes, and on
+    identical rounds ran 6% slower than the system around it)."""
+    def order(pass_index: int, shift: int = 0) -> list[System]:
+        shift %= len(systems)
+        rotated = systems[shift:] + systems[:shift]
+        return rotated if pass_index % 2 == 0 else rotated[::-1]
+
+    if concurrency > 1 or prompts == 1:
+        return [(s, p, list(range(prompts))) for p in range(repeats) for s in order(p)]
+    return [(s, p, [i]) for i in range(prompts) for p in range(repeats) for s in order(p, i)]
+
+
 def speculation(system: System) -> dict | None:
     """The request's ``speculation`` override; none for `served` (the deployment's own settings)."""
     from specserve.protocol import LEGACY_METHODS
@@ -126,15 +156,18 @@ def speculation(system: System) -> dict | None:
     return {"method" if system.method in LEGACY_METHODS else "proposer": system.method, **system.options}
 
 
-def measure(run: ServiceRun, url: str, model: str, prompt_ids: list[list[int]], max_tokens: int, spec: dict) -> None:
-    """One pass of `run`'s requests; a later pass adds its tokens, time and latencies (the
-    outputs compared with target-only are the first pass's)."""
+def measure(run: ServiceRun, url: str, model: str, prompt_ids: list[list[int]], max_tokens: int, spec: dict,
+            pass_index: int = 0) -> None:
+    """`run`'s requests of `prompt_ids`, in pass `pass_index`: a pass adds up its turns' tokens
+    and times, and every turn adds its latencies (the outputs compared with target-only are the
+    first pass's, in the order of its turns)."""
     wall_s, results = asyncio.run(run_level(url, model, prompt_ids, max_tokens, run.concurrency, None,
                                             speculation=spec))
-    first = not run.pass_throughputs
+    first = pass_index == 0
     run.wall_s += wall_s
-    run.requests = len(results)
-    run.pass_throughputs.append(sum(r.tokens for r in results) / wall_s if wall_s else 0.0)
+    run.add_to_pass(pass_index, sum(r.tokens for r in results), wall_s)
+    if first:
+        run.requests += len(results)
     for r in results:
         run.tokens += r.tokens
         run.target_steps += r.speculation.get("target_steps", 0)

@@ -201,7 +201,8 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
     calls = sum(len(c.calls) for c in cells)
     n_vllm = sum(s.engine == "vllm" for s in lib_systems)
     total = (len(lib_systems) * args.repeats + n_vllm * (len(settings) - 1)) * calls \
-        + len(svc_systems) * len(svc_encoded) * len(args.concurrency) * args.service_repeats
+        + service.turn_count(svc_systems, svc_encoded, concurrency=args.concurrency,
+                             requests=args.service_requests, repeats=args.service_repeats)
     bar = tqdm(total=total, disable=args.no_progress, file=sys.stderr, unit="call", dynamic_ncols=True)
     machine = machine_info(args)
     notes = []
@@ -226,7 +227,7 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
             "vllm_kv_cache_gib": library.VLLM_KV_CACHE_GIB if n_vllm else None,
             "concurrency": args.concurrency if svc_systems else [],
             "service_requests": args.service_requests, "service_max_tokens": args.service_max_tokens,
-            "service_repeats": args.service_repeats,
+            "service_repeats": args.service_repeats, "service_turns": service.TURNS,
             "manifest": args.url or args.manifest,
             "workloads": [_describe(w) for w in lib_workloads] if lib_systems else [],
             "service_workloads": [_describe(w) for w in svc_workloads],

@@ -278,12 +278,23 @@ class ServiceRun:
     same_as_reference: int | None = None  # outputs equal to specserve none's at the same concurrency
     k_histogram: list[int] = field(default_factory=list)  # rounds per drafted depth, all requests
     pass_throughputs: list[float] = field(default_factory=list)  # tok/s of each pass (--service-repeats)
+    pass_tokens: list[int] = field(default_factory=list)  # each pass's tokens and seconds, over its turns
+    pass_wall_s: list[float] = field(default_factory=list)
     # the load-aware policy's rounds per reason (warmup, model, probe, measured), all requests
     policy_decisions: dict[str, int] = field(default_factory=dict)
 
     @property
     def throughput(self) -> float:
         return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    def add_to_pass(self, pass_index: int, tokens: int, wall_s: float) -> None:
+        """One turn of a pass (a wave of requests, or one request at 1 stream)."""
+        missing = pass_index + 1 - len(self.pass_tokens)
+        self.pass_tokens += [0] * missing
+        self.pass_wall_s += [0.0] * missing
+        self.pass_tokens[pass_index] += tokens
+        self.pass_wall_s[pass_index] += wall_s
+        self.pass_throughputs = [t / w if w else 0.0 for t, w in zip(self.pass_tokens, self.pass_wall_s)]
 
     def add_k_histogram(self, histogram: dict[str, int]) -> None:
         """A request's `usage.speculation.k_histogram` ({depth: rounds})."""
