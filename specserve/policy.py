@@ -764,11 +764,12 @@ class MeasuredModes:
         """A round of a steered request begins now: its mode, "model" (the per-request policy
         decides) or "off". `prefilling`: a prompt prefill runs now (PrefillWatch.active, this
         round's own included); `catching_up`: a draft pool's catch-up runs now
-        (PrefillWatch.catching_up) or a request owes one (RequestState.draft_catch_up_owed); `first_round`: this round prefills its prompt (never
-        counted); `switch_cost_s`: what switching the requests to the model would cost now (the
-        draft pools' catch-ups, predicted; 0 without a draft pool); `off_predicted`: the
-        goodput off would have now (LoadModel.off_goodput; None: not known, so off is measured).
-        Hand the ticket to `end` when the round ends, however it ends."""
+        (PrefillWatch.catching_up) or a request owes one (RequestState.draft_catch_up_owed);
+        `first_round`: this round prefills its prompt (never counted); `switch_cost_s`: what
+        switching the requests to the model would cost now (the draft pools' catch-ups,
+        predicted; 0 without a draft pool); `off_predicted`: the goodput off would have now
+        (LoadModel.off_goodput; None: not known, so off is measured). Hand the ticket to `end`
+        when the round ends, however it ends."""
         self._switch_cost_s, self._off_predicted = switch_cost_s, off_predicted
         level = self.level(in_flight) if self.measures(in_flight) else 0
         self._advance(now, level, in_flight, prefilling, catching_up)

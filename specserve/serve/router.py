@@ -296,7 +296,7 @@ class Router(GrpcApi):
         and second rounds, and measured the other requests' draft calls queued behind that
         catch-up (rounds of 3.3 s against ~1.5): 5.6 tok/s against off's 6.3, where always on
         ran 12% faster than always off; off then held most of the run."""
-        return self.prefills.catching_up > 0 or any(state.draft_catch_up_owed() for state in self.steered.values())
+        return self.prefills.catching_up > 0 or any(s.draft_catch_up_owed() for s in self.steered.values())
 
     def _switch_cost_s(self) -> float:
         """What switching the steered requests to the model would cost now: their draft pools'
