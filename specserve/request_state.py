@@ -192,13 +192,11 @@ class RequestState:
         would decide otherwise; at code 8 streams on a 2-core CPU 5 of a wave's 8 requests
         prefilled their prompts on the draft pool in an epoch where all 8 then ran off, and the
         wave's prompts took 32 s to prefill where always off's took 29."""
-        spec = self.speculation
-        if (not self.prefill_without_draft or self.draft_syncing or self.pinned_depth or spec.co_located
-                or spec.draft_cost != "pool" or self._depth() == 0 or self.room() <= 1):
+        if not self.prefill_without_draft or self.pinned_depth or self._depth() == 0:
             return False
         if others_prefilling and self.adaptive and not self.output_ids:
             return False
-        return draft_catches_up(self.draft_unseen, spec.depth)
+        return self.draft_catch_up_owed()
 
     def draft_catch_up_owed(self) -> bool:
         """Serving: whether this request's draft pool is a catch-up behind (draft_catches_up)

@@ -277,7 +277,6 @@ class ServiceRun:
     speedup: float | None = None  # throughput over specserve none at the same concurrency
     same_as_reference: int | None = None  # outputs equal to specserve none's at the same concurrency
     k_histogram: list[int] = field(default_factory=list)  # rounds per drafted depth, all requests
-    pass_throughputs: list[float] = field(default_factory=list)  # tok/s of each pass (--service-repeats)
     pass_tokens: list[int] = field(default_factory=list)  # each pass's tokens and seconds, over its turns
     pass_wall_s: list[float] = field(default_factory=list)
     # the load-aware policy's rounds per reason (warmup, model, probe, measured), all requests
@@ -294,7 +293,11 @@ class ServiceRun:
         self.pass_wall_s += [0.0] * missing
         self.pass_tokens[pass_index] += tokens
         self.pass_wall_s[pass_index] += wall_s
-        self.pass_throughputs = [t / w if w else 0.0 for t, w in zip(self.pass_tokens, self.pass_wall_s)]
+
+    @property
+    def pass_throughputs(self) -> list[float]:
+        """tok/s of each pass (--service-repeats)."""
+        return [t / w if w else 0.0 for t, w in zip(self.pass_tokens, self.pass_wall_s)]
 
     def add_k_histogram(self, histogram: dict[str, int]) -> None:
         """A request's `usage.speculation.k_histogram` ({depth: rounds})."""
@@ -339,7 +342,7 @@ class ServiceRun:
         data = asdict(self)
         data.update(throughput_tok_s=self.throughput, mean_accepted_length=self.mean_accepted_length,
                     overhead_ms_per_round=self.overhead_ms_per_round, mismatch=self.mismatch,
-                    speculation_off_share=self.speculation_off_share)
+                    speculation_off_share=self.speculation_off_share, pass_throughputs=self.pass_throughputs)
         for name in ("ttft_s", "itl_s"):
             for q in (50, 99):
                 data[f"{name[:-2]}_p{q}_s"] = self.percentile(name, q)
