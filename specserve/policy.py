@@ -821,16 +821,14 @@ class MeasuredModes:
         a round where the level's always-on rounds accepted 2.5, measured 6.2 against off's
         6.7-7.5, and the level ran off (0.89x always on)."""
         self._running[ticket.mode] -= 1
-        credited = tokens
-        if tokens is not None and expected_tokens is not None and expected_tokens > 1:  # it drafted
+        if tokens is not None and expected_tokens is not None and expected_tokens > 1:
             self.calibration.observe(tokens, expected_tokens)
-            credited = self.calibration.scale(expected_tokens)
         if ticket.counted and ticket.epoch == self.epoch:
             self._open -= 1
             own_s = seconds - prefill_s
-            if credited is not None and own_s > 0 and own_s >= seconds / 2:
+            if tokens is not None and own_s > 0 and own_s >= seconds / 2:
                 self._kept += 1
-                self._tokens += credited
+                self._tokens += tokens if expected_tokens is None else self.calibration.scale(expected_tokens)
                 self._seconds += own_s
 
     def _advance(self, now: float, level: int, in_flight: int, prefilling: bool, catching_up: bool) -> None:
