@@ -617,26 +617,6 @@ class RoundTicket:
 
 
 @dataclass
-class ExpectationCalibration:
-    """Tokens drafting rounds emitted against what their requests' estimates expected, as
-    decaying sums over the last few hundred rounds (`weight` per round), and `scale`: an
-    expectation corrected by their ratio. `prior_tokens` on both sides keeps the first rounds'
-    ratio near 1."""
-
-    weight: float = 0.005
-    prior_tokens: float = 20.0
-    emitted: float = 0.0
-    expected: float = 0.0
-
-    def observe(self, emitted: int, expected: float) -> None:
-        self.emitted += emitted - self.weight * self.emitted
-        self.expected += expected - self.weight * self.expected
-
-    def scale(self, expected: float) -> float:
-        return expected * (self.emitted + self.prior_tokens) / (self.expected + self.prior_tokens)
-
-
-@dataclass
 class MeasuredModes:
     """A check on the model that measures instead of predicting: per concurrency level, the
     goodput (tokens per second emitted by every request this router carries) while requests
@@ -656,11 +636,11 @@ class MeasuredModes:
     rounds share passes with the other mode's (at chat 8 streams the first off rounds after the
     model shared the target's passes with the model's 4-token verifies and its draft pool's
     work: off measured 8.0 tok/s against the model's 9.0 where always off ran 9% faster than
-    always on). It measures exactly the rounds that began in its window, each whole (at 16
-    streams here a round outlasts an epoch): their tokens (those their requests' estimates
-    expected of them: `end`) over their own seconds (less the prompt prefills they overlapped,
-    which come with arrivals in either mode; a round that spent over half its time so, or that
-    is a request's first, is not counted) x requests in flight, into the EMA of the mode at its level (log2 buckets of
+    always on). It measures exactly the rounds that began
+    in its window, each whole (at 16 streams here a round outlasts an epoch): their tokens (those
+    their requests' estimates expected of them: `end`) over their own seconds (less the prompt prefills they overlapped, which come with arrivals in
+    either mode; a round that spent over half its time so, or that is a request's first, is
+    not counted) x requests in flight, into the EMA of the mode at its level (log2 buckets of
     requests in flight). An epoch whose level changed, that did not close within
     `max_epoch_s` (rounds hanging), or that kept under half the rounds it counted (the rest
     failed or waited for prefills), measures nothing; the next epoch measures that mode again
@@ -752,7 +732,6 @@ class MeasuredModes:
     _retries: int = 0  # epochs the running exploration went on after ones that measured nothing
     _settling: bool = False  # the running epoch changed the mode: its window waits for the other mode's rounds
     _running: dict[str, int] = field(default_factory=dict)  # rounds running per mode (every ticket's, until its end)
-    calibration: ExpectationCalibration = field(default_factory=ExpectationCalibration)  # of expected tokens (end)
 
     @staticmethod
     def level(in_flight: int) -> int:
@@ -811,9 +790,7 @@ class MeasuredModes:
 
         `expected_tokens`: what the request's acceptance estimates expected the round to emit
         (AcceptanceTracker.expected_tokens of its depth, before this round's outcome), counted
-        instead of `tokens`, scaled by what drafting rounds emitted against what was expected
-        of them over the last few hundred (`ExpectationCalibration`: the estimates lag, and ran
-        2-5% low on the default pair). Why: an epoch measures a few rounds per request, and one round's
+        instead of `tokens`. Why: an epoch measures a few rounds per request, and one round's
         accepted run swings from 0 to its whole depth; what the epochs exist to see, the costs
         the per-round model cannot (contention, queues, catch-ups), is in the rounds' time,
         while the estimates average every round a request drafted. Counting tokens, the model's
@@ -821,14 +798,12 @@ class MeasuredModes:
         a round where the level's always-on rounds accepted 2.5, measured 6.2 against off's
         6.7-7.5, and the level ran off (0.89x always on)."""
         self._running[ticket.mode] -= 1
-        if tokens is not None and expected_tokens is not None and expected_tokens > 1:
-            self.calibration.observe(tokens, expected_tokens)
         if ticket.counted and ticket.epoch == self.epoch:
             self._open -= 1
             own_s = seconds - prefill_s
             if tokens is not None and own_s > 0 and own_s >= seconds / 2:
                 self._kept += 1
-                self._tokens += tokens if expected_tokens is None else self.calibration.scale(expected_tokens)
+                self._tokens += tokens if expected_tokens is None else expected_tokens
                 self._seconds += own_s
 
     def _advance(self, now: float, level: int, in_flight: int, prefilling: bool, catching_up: bool) -> None:
