@@ -637,8 +637,8 @@ class MeasuredModes:
     model shared the target's passes with the model's 4-token verifies and its draft pool's
     work: off measured 8.0 tok/s against the model's 9.0 where always off ran 9% faster than
     always on). It measures exactly the rounds that began
-    in its window, each whole (at 16 streams here a round outlasts an epoch): their tokens (those
-    their requests' estimates expected of them: `end`) over their own seconds (less the prompt prefills they overlapped, which come with arrivals in
+    in its window, each whole (at 16 streams here a round outlasts an epoch): their tokens over
+    their own seconds (less the prompt prefills they overlapped, which come with arrivals in
     either mode; a round that spent over half its time so, or that is a request's first, is
     not counted) x requests in flight, into the EMA of the mode at its level (log2 buckets of
     requests in flight). An epoch whose level changed, that did not close within
