@@ -648,7 +648,7 @@ class MeasuredModes:
 
     Deciding. The next epoch runs the better mode, switching only for more than `hysteresis`.
     A level's first decision, on one epoch of each mode, gives a tie to the model: the model's
-    epoch counts a few rounds (fewer than off: its rounds are longer), and a wrong off costs a
+    epoch counts a few rounds whose tokens swing with acceptance, and a wrong off costs a
     budgeted switch back where a wrong model costs one free exploration. Below `min_in_flight`
     requests the model alone decides: a lone request has no other requests' costs it cannot
     see, and at 2 a prompt prefill in an epoch swings it more than the modes differ.
