@@ -723,7 +723,7 @@ class MeasuredModes:
     _starts: int = 0  # rounds that began in the window ...
     _open: int = 0  # ... of which not yet ended
     _kept: int = 0  # ... of which ended counted (not failed, not mostly waiting for prefills)
-    _tokens: float = 0.0  # ... emitted by those (or expected of them: end)
+    _tokens: int = 0  # ... emitted by those
     _seconds: float = 0.0  # ... in their own time
     _in_flight: int = 0  # summed over the window's round starts
     _exploring: bool = False  # the running epoch runs the mode its level measured worse
@@ -781,29 +781,18 @@ class MeasuredModes:
             self._in_flight += in_flight
         return RoundTicket(self.current, self.epoch, counted)
 
-    def end(self, ticket: RoundTicket, tokens: int | None, seconds: float = 0.0, prefill_s: float = 0.0,
-            expected_tokens: float | None = None) -> None:
+    def end(self, ticket: RoundTicket, tokens: int | None, seconds: float = 0.0, prefill_s: float = 0.0) -> None:
         """The round of `ticket` ended, having emitted `tokens` in `seconds` of wall time, of
         which it spent `prefill_s` waiting for other requests' prompt prefills (taken out: they
         come with arrivals in either mode); tokens None: it failed. A round that waited for
-        prefills more than half its time measured them, not its mode, and is not counted.
-
-        `expected_tokens`: what the request's acceptance estimates expected the round to emit
-        (AcceptanceTracker.expected_tokens of its depth, before this round's outcome), counted
-        instead of `tokens`. Why: an epoch measures a few rounds per request, and one round's
-        accepted run swings from 0 to its whole depth; what the epochs exist to see, the costs
-        the per-round model cannot (contention, queues, catch-ups), is in the rounds' time,
-        while the estimates average every round a request drafted. Counting tokens, the model's
-        first look at code 4 streams on a 2-core CPU counted 10 rounds that accepted 2.0 tokens
-        a round where the level's always-on rounds accepted 2.5, measured 6.2 against off's
-        6.7-7.5, and the level ran off (0.89x always on)."""
+        prefills more than half its time measured them, not its mode, and is not counted."""
         self._running[ticket.mode] -= 1
         if ticket.counted and ticket.epoch == self.epoch:
             self._open -= 1
             own_s = seconds - prefill_s
             if tokens is not None and own_s > 0 and own_s >= seconds / 2:
                 self._kept += 1
-                self._tokens += tokens if expected_tokens is None else expected_tokens
+                self._tokens += tokens
                 self._seconds += own_s
 
     def _advance(self, now: float, level: int, in_flight: int, prefilling: bool, catching_up: bool) -> None:

@@ -260,35 +260,3 @@ def test_by_default_only_pools_on_cuda_devices_draft_ahead(target_device, draft_
     if draft_device is not None:  # an explicit setting wins
         forced = args | {"speculation": {"proposer": "draft", "draft_ahead": not expected}}
         assert AppArgs.model_validate(forced).speculation.draft_ahead is (not expected)
-
-
-def test_the_router_hands_the_epochs_each_adaptive_round_s_expected_tokens(monkeypatch):
-    """The load-aware epochs (MeasuredModes) count a steered round at the tokens the request's
-    acceptance estimates expected of it, read before the round's outcome updates them."""
-    draft = FakeDraftPool(0.002, lambda context: len(context) % 3 == 0)
-    router = make_router(monkeypatch, draft, FakeTargetPool(0.002), draft_ahead=False)
-    state = RequestState("r", [5, 9, 11], SamplingParams(max_tokens=30), Speculation(proposer="draft", k=3,
-                                                                                     policy="adaptive"))
-    before_commit, handed = [], []
-    commit, end = state.commit, router.modes.end
-
-    def recording_commit(result, draft_tree):
-        before_commit.append(state.acceptance.expected_tokens(state.round_k()))
-        return commit(result, draft_tree)
-
-    def recording_end(ticket, tokens, seconds=0.0, prefill_s=0.0, expected_tokens=None):
-        if tokens is not None:
-            handed.append((tokens, expected_tokens))
-        return end(ticket, tokens, seconds, prefill_s, expected_tokens)
-
-    monkeypatch.setattr(state, "commit", recording_commit)
-    monkeypatch.setattr(router.modes, "end", recording_end)
-
-    async def run():
-        async for _ in router._rounds(state):
-            pass
-
-    asyncio.run(run())
-    assert state.output_ids == target_alone([5, 9, 11], 30)
-    assert len(handed) == state.stats.target_steps and [e for _, e in handed] == before_commit
-    assert {t for t, _ in handed} != {round(e) for _, e in handed}  # the outcomes differ from what was expected

@@ -435,26 +435,6 @@ def test_an_epoch_measures_the_rounds_that_began_in_it_whole():
     assert modes._tokens == 0
 
 
-def test_an_epoch_counts_the_tokens_its_rounds_were_expected_to_emit():
-    """An epoch counts a few rounds per request, and one round's accepted run swings from 0 to
-    its whole depth: the model's epochs count what the request's acceptance estimates expected
-    of each round, with the rounds' own seconds (the costs the epochs exist to see). Off
-    rounds, and callers that pass no expectation, count what they emitted."""
-    modes = MeasuredModes(epoch_s=4.0)
-    unlucky = [modes.begin(t, 4) for t in (0.0, 0.1, 0.2, 0.3)]
-    assert all(r.mode == "model" and r.counted for r in unlucky)
-    for r in unlucky:  # every round rejected its whole draft, where 3.5 tokens a round were expected
-        modes.end(r, 1, 2.0, expected_tokens=3.5)
-    off = modes.begin(4.5, 4)
-    assert off.mode == "off"
-    assert modes.levels[MeasuredModes.level(4)].model == pytest.approx(3.5 / 2.0 * 4)
-    others = [modes.begin(t, 4) for t in (4.6, 4.7, 4.8)]
-    for r in (off, *others):
-        modes.end(r, 1, 1.0)
-    modes.begin(9.0, 4)
-    assert modes.levels[MeasuredModes.level(4)].off == pytest.approx(1 / 1.0 * 4)
-
-
 def test_an_epoch_that_changes_the_mode_measures_once_the_other_mode_s_rounds_ended():
     """Rounds of the last epoch's tail share the target's passes with the next epoch's first
     rounds: off's first rounds after the model ran beside 4-token verifies and the draft pool's

@@ -446,16 +446,12 @@ class Router(GrpcApi):
                                                 ahead_wait_s=time.perf_counter() - verified
                                                 if drafting_ahead is not None else None))
                 counts = SpecCounts.of(state.stats)
-                # what the epochs count for this round (MeasuredModes.end): read before commit
-                # adds its outcome to the estimates
-                expected = (state.acceptance.expected_tokens(state.round_k())
-                            if ticket is not None and state.acceptance is not None else None)
                 emitted = state.commit(result, verify.draft)
                 if drafting_ahead is not None:
                     state.keep_ahead(drafting_ahead.request, next_draft)
                 if ticket is not None:
                     self.modes.end(ticket, len(emitted), round_end - round_start,
-                                   prefill_s=self.prefills.busy_s(round_end) - prompts_before, expected_tokens=expected)
+                                   prefill_s=self.prefills.busy_s(round_end) - prompts_before)
                     ticket = None
                 self.metrics.round(state.speculation.proposer, counts, SpecCounts.of(state.stats))
                 state.finish_at_stop_string(self.codec.decode)
