@@ -1,5 +1,5 @@
 """Waves off off on off off on off off at chat 8; per-process CPU seconds per wave (from /proc)."""
-import asyncio, json, os, sys, time
+import asyncio, json, os, sys, tempfile, time
 from specserve import models
 from specserve.benchmarks import workloads
 from specserve.benchmarks.http import run_level, start_server, stop_server, wait_healthy
@@ -33,7 +33,7 @@ url = "http://127.0.0.1:8000"
 tok = models.load_tokenizer("qwen2.5-coder-1.5b-instruct")
 w = workloads.load(["chat"], 8, 0)[0]
 prompts = w.encode(tok)[:8]
-server = start_server("manifests/local.yaml", "/tmp/runs/order/serve-cpu.log")
+server = start_server("manifests/local.yaml", os.path.join(tempfile.gettempdir(), "after-on-serve.log"))
 try:
     wait_healthy(url, 900, server)
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]

@@ -13,7 +13,7 @@ prompts = w.encode(tok)[:n]
 settings = {"on4": {"proposer": "draft", "k": 4, "policy": "fixed"}, "on6": {"proposer": "draft", "k": 6, "policy": "fixed"},
             "ad4": {"proposer": "draft", "k": 4, "policy": "adaptive"}, "ad8": {"proposer": "draft", "k": 8, "policy": "adaptive"}}
 names = list(settings)
-server = start_server("manifests/local.yaml", f"serve-{workload}.log")
+server = start_server("manifests/local.yaml", f"{sys.argv[3]}.serve.log")  # beside the output
 try:
     wait_healthy(url, 900, server)
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
