@@ -596,6 +596,7 @@ class _ModeGoodput:
     model: float | None = None
     off: float | None = None
     epochs: int = 0
+    measurements: dict[str, int] = field(default_factory=dict)  # epochs that measured each mode
     explore_every: int = 5  # epochs between explorations now
     next_explore: int = 5  # the epoch count at which the next exploration runs
     warm_up_s: float = 0.0  # how long the level's last switch to the model warmed up
@@ -630,8 +631,13 @@ class MeasuredModes:
     (with a draft pool, "model" drafts the whole configured depth: RequestState.plan_round); a
     request with a fixed setting neither follows the epochs nor counts in them (it would
     credit both modes with the same tokens). An epoch is a window of round starts, at least
-    `epoch_s` long and until as many rounds began in it as requests were in flight, then a
-    tail in the same mode until those rounds ended. An epoch that changes the mode opens its
+    `epoch_s` long and until as many rounds began in it as requests were in flight (and for the
+    model, until the rounds that ended pin their mean tokens a round to `max_token_error`, or
+    `max_window_epochs` x `epoch_s` passed), then a tail in the same mode until those rounds
+    ended. Off's rounds emit one token each; the model's emit 1 to k+1 as drafts are accepted,
+    and a window of 8-10 of them is one draw of acceptance: at code 4 streams a first look of 10
+    rounds averaged 3.0 tokens a round (standard error 0.44) where always on's 403 rounds
+    averaged 3.5, measured the model below off, and the level ran off. An epoch that changes the mode opens its
     window only once every round of the other mode has ended (the tail's too): until then its
     rounds share passes with the other mode's (at chat 8 streams the first off rounds after the
     model shared the target's passes with the model's 4-token verifies and its draft pool's
@@ -641,7 +647,8 @@ class MeasuredModes:
     their own seconds (less the prompt prefills they overlapped, which come with arrivals in
     either mode; a round that spent over half its time so, or that is a request's first, is
     not counted) x requests in flight, into the EMA of the mode at its level (log2 buckets of
-    requests in flight). An epoch whose level changed, that did not close within
+    requests in flight; a mode's first epochs there are averaged evenly, so its second
+    measurement weighs as much as its first). An epoch whose level changed, that did not close within
     `max_epoch_s` (rounds hanging), or that kept under half the rounds it counted (the rest
     failed or waited for prefills), measures nothing; the next epoch measures that mode again
     unless the decision moved on.
@@ -678,7 +685,7 @@ class MeasuredModes:
 
     The measurements behind each rule: docs/bench/adaptive-history.md.
 
-        >>> modes = MeasuredModes(epoch_s=1.0)
+        >>> modes = MeasuredModes(epoch_s=1.0, max_token_error=None)  # windows by time and round starts alone
         >>> first = modes.begin(now=0.0, in_flight=3)   # first epoch at 3 requests: the model
         >>> first.mode, first.counted
         ('model', True)
@@ -699,7 +706,12 @@ class MeasuredModes:
     explore_every: int = 5  # epochs before a level's first exploration (then backing off)
     max_explore_every: int = 40
     hysteresis: float = 0.05
-    weight: float = 0.3  # an epoch's weight in its mode's EMA
+    weight: float = 0.3  # an epoch's weight in its mode's EMA (once the mode has 1/weight epochs)
+    # the model's window stays open until its ended rounds' mean tokens a round has at most this
+    # relative standard error (at code 4 streams, ~25 rounds: ~14 s), but no longer than
+    # max_window_epochs x epoch_s
+    max_token_error: float | None = 0.08  # None: windows by time and round starts alone
+    max_window_epochs: float = 5.0
     min_in_flight: int = 3
     explore_retries: int = 2  # epochs an exploration goes on while its epochs measure nothing
     # the longest warm-up after a switch to the model: with the catch-ups in the background
@@ -724,6 +736,7 @@ class MeasuredModes:
     _open: int = 0  # ... of which not yet ended
     _kept: int = 0  # ... of which ended counted (not failed, not mostly waiting for prefills)
     _tokens: int = 0  # ... emitted by those
+    _tokens_sq: int = 0  # ... and the sum of each one's tokens squared
     _seconds: float = 0.0  # ... in their own time
     _in_flight: int = 0  # summed over the window's round starts
     _exploring: bool = False  # the running epoch runs the mode its level measured worse
@@ -793,6 +806,7 @@ class MeasuredModes:
             if tokens is not None and own_s > 0 and own_s >= seconds / 2:
                 self._kept += 1
                 self._tokens += tokens
+                self._tokens_sq += tokens * tokens
                 self._seconds += own_s
 
     def _advance(self, now: float, level: int, in_flight: int, prefilling: bool, catching_up: bool) -> None:
@@ -819,7 +833,8 @@ class MeasuredModes:
             elif elapsed < self.max_epoch_s:
                 return
             # else rounds hang: the epoch measures nothing (below)
-        if self._window and elapsed >= self.epoch_s and self._starts >= self._needed:
+        if (self._window and elapsed >= self.epoch_s and self._starts >= self._needed
+                and (self._precise() or elapsed >= self.max_window_epochs * self.epoch_s)):
             self._window = False  # the tail: rounds still begin in this mode, uncounted
         if (self._window or self._open) and elapsed < self.max_epoch_s:
             return
@@ -868,9 +883,21 @@ class MeasuredModes:
         self._settling = level > 0 and not self.warming_up and self._others_running()
         self._window = level > 0 and not self.warming_up and not self._settling
         self._needed = max(in_flight, self.min_in_flight)
-        self._starts = self._open = self._kept = self._tokens = self._in_flight = 0
+        self._starts = self._open = self._kept = self._tokens = self._tokens_sq = self._in_flight = 0
         self._seconds = 0.0
         self._exploring, self._retries = exploring, retries
+
+    def _precise(self) -> bool:
+        """Whether the window's ended rounds pin the mode's mean tokens a round to
+        `max_token_error` (relative standard error). Off's rounds emit one token each: always."""
+        if self.current == "off" or self.max_token_error is None:
+            return True
+        n = self._kept
+        if n < 2:
+            return False
+        mean = self._tokens / n
+        variance = max(0.0, self._tokens_sq / n - mean * mean) * n / (n - 1)
+        return math.sqrt(variance / n) <= self.max_token_error * mean
 
     def _others_running(self) -> bool:
         """Whether rounds of a mode other than the running one have not ended yet."""
@@ -887,7 +914,10 @@ class MeasuredModes:
         goodput = self._tokens / self._seconds * self._in_flight / self._starts
         measured = self._measured(self._level)
         last = getattr(measured, self.current)
-        setattr(measured, self.current, goodput if last is None else last + self.weight * (goodput - last))
+        count = measured.measurements.get(self.current, int(last is not None)) + 1
+        measured.measurements[self.current] = count
+        weight = max(self.weight, 1 / count)  # the first epochs evenly: one short draw must not set it
+        setattr(measured, self.current, goodput if last is None else last + weight * (goodput - last))
         measured.epochs += 1
         if self._exploring:
             self._back_off(measured, overturned=self._clearly_better(measured, self.current))

@@ -413,7 +413,7 @@ def test_an_epoch_measures_the_rounds_that_began_in_it_whole():
     the other's rounds. An epoch counts the rounds that began in its window, each whole even
     where it ends after the window (the tail runs the same mode until they have), and no round
     that began before it; goodput = their tokens / their seconds x requests in flight."""
-    modes = MeasuredModes(epoch_s=4.0)
+    modes = MeasuredModes(epoch_s=4.0, max_token_error=None)
     before = modes.begin(0.0, 4)  # 4 requests; this epoch needs 4 round starts and 4 s
     others = [modes.begin(t, 4) for t in (0.1, 0.2, 0.3)]
     assert all(r.counted and r.mode == "model" for r in [before, *others])
@@ -440,7 +440,7 @@ def test_an_epoch_that_changes_the_mode_measures_once_the_other_mode_s_rounds_en
     rounds: off's first rounds after the model ran beside 4-token verifies and the draft pool's
     work (chat, 8 streams: off measured 8.0 tok/s against the model's 9.0 where always off was
     9% faster). A switch's window opens once the other mode's rounds ended, its time from then."""
-    modes = MeasuredModes(epoch_s=1.0)
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
     window = [modes.begin(t, 3) for t in (0.0, 0.1, 0.2)]
     tail = modes.begin(1.5, 3)  # after the window: the model's tail
     for r in window:
@@ -477,7 +477,7 @@ def test_a_round_is_measured_over_its_own_time_and_not_at_all_where_prefills_too
     waiting for them is taken out, and a round that waited for them more than half its time
     measured them, not its mode (counted as it was, a round in the opening wave's prefills kept
     a sliver of its own time and gave off a huge rate)."""
-    modes = MeasuredModes(epoch_s=1.0)
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
     rounds = [modes.begin(t, 3) for t in (0.0, 0.1, 0.2)]
     modes.end(rounds[0], 4, 3.0, prefill_s=1.0)  # 4 tokens in 2 s of its own
     modes.end(rounds[1], 4, 3.0, prefill_s=2.9)  # waited 2.9 s of 3: left out
@@ -486,12 +486,63 @@ def test_a_round_is_measured_over_its_own_time_and_not_at_all_where_prefills_too
     assert modes.levels[MeasuredModes.level(3)].model == pytest.approx((4 + 2) / (2.0 + 1.0) * 3)
 
 
+def test_the_model_s_window_stays_open_until_its_tokens_a_round_are_known():
+    """The model's rounds emit 1 to k+1 tokens each: at code 4 streams a first look of 10 rounds
+    (3.0 tokens a round, standard error 0.44) measured the model below off where always on's 403
+    rounds averaged 3.5, and the level ran off. Its window stays open until the ended rounds pin
+    their mean to `max_token_error`, or `max_window_epochs` epochs passed; off's (one token a
+    round) closes as before."""
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=0.1, max_window_epochs=5.0)
+    draws = iter([5, 2, 1, 5, 3, 2, 3, 2, 2, 5])  # the first look's tokens, then steady 4-token rounds
+    t, tokens = 0.0, []
+    while (ticket := modes.begin(t, 4)).mode == "model":  # each round ends before the next begins
+        assert ticket.counted
+        tokens.append(next(draws, 4))
+        modes.end(ticket, tokens[-1], 0.5)
+        t += 0.25
+    # 10 noisy rounds were not enough (relative error 0.15); the 4-token rounds after them were
+    assert 10 < len(tokens) < 20 and t < 5.0
+    mean = sum(tokens) / len(tokens)
+    error = (sum((x - mean) ** 2 for x in tokens) / (len(tokens) - 1) / len(tokens)) ** 0.5
+    assert error <= 0.1 * mean
+    assert modes.levels[MeasuredModes.level(4)].model == pytest.approx(sum(tokens) / (0.5 * len(tokens)) * 4)
+
+    capped = MeasuredModes(epoch_s=1.0, max_token_error=0.01, max_window_epochs=3.0)
+    rounds = 0
+    while (ticket := capped.begin(0.1 * rounds, 4)).mode == "model":  # 1 and 5 tokens in turn: never precise
+        capped.end(ticket, 1 + 4 * (rounds % 2), 0.05)
+        rounds += 1
+    assert rounds == 30  # the window closed at its cap, 3 epochs
+    assert capped.levels[MeasuredModes.level(4)].model is not None
+
+    off = MeasuredModes(epoch_s=1.0, max_token_error=0.01)
+    off._measured(MeasuredModes.level(4)).model = 5.0  # measured: off's turn
+    window = [off.begin(t, 4) for t in (0.0, 0.1, 0.2, 0.3)]
+    assert all(r.mode == "off" and r.counted for r in window)
+    for r in window:
+        off.end(r, 1, 0.5)
+    off.begin(1.0, 4)  # closed by time and round starts, as before: one token a round is exact
+    assert off.levels[MeasuredModes.level(4)].off == pytest.approx(8.0)
+
+
+def test_a_mode_s_first_epochs_weigh_alike():
+    """One short draw must not set a mode's estimate for good: its second epoch weighs as much
+    as its first (then 1/3, then the EMA's weight)."""
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None, weight=0.3)
+    level = modes._measured(MeasuredModes.level(3))
+    for goodput, expected in ((6.0, 6.0), (9.0, 7.5), (9.0, 8.0), (4.0, 8.0 - 0.3 * 4.0)):
+        modes._start(0.0, MeasuredModes.level(3), 3, "model", False)
+        for r in [modes.begin(t, 3) for t in (0.0, 0.1, 0.2)]:
+            modes.end(r, int(goodput), 3.0)  # goodput tokens in 3 s x 3 requests / 3 rounds
+        assert modes._close() and level.model == pytest.approx(expected)
+
+
 def test_an_epoch_that_kept_under_half_its_rounds_measures_nothing_and_the_mode_is_measured_again():
     """At code 16 streams the model's first look opened while the wave's last prompts
     prefilled: 15 of its 16 rounds waited for them, and the one left (2 tokens in 2.7 s)
     measured the model at 11.8 tok/s where always on's steady state ran ~20, so off won and
     the switch back never fitted the budget. Under half the rounds kept: nothing measured."""
-    modes = MeasuredModes(epoch_s=1.0)
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
     rounds = [modes.begin(t, 4) for t in (0.0, 0.1, 0.2, 0.3)]
     for r in rounds[:3]:
         modes.end(r, 4, 3.0, prefill_s=2.9)  # waited for prefills: left out
@@ -1103,10 +1154,11 @@ def test_a_switch_to_the_model_warms_up_until_the_draft_pools_caught_up_then_mea
     tokens of catch-ups, and the level ran off although always on was 12% faster. So a switch
     to the model warms up, unmeasured, for at least an epoch and on while catch-ups run (at most
     max_warm_up_epochs), and the model's window opens after."""
-    modes = MeasuredModes(epoch_s=4.0, max_warm_up_epochs=4)
+    modes = MeasuredModes(epoch_s=4.0, max_warm_up_epochs=4, max_token_error=None)
     level = MeasuredModes.level(3)
     measured = modes._measured(level)
     measured.model, measured.off, measured.epochs, measured.next_explore = 10.0, 12.0, 6, 6  # off leads; due
+    measured.measurements = {"model": 3, "off": 3}  # six epochs measured
     modes.current = "off"
     warm = modes.begin(0.0, 3)
     assert warm.mode == "model" and not warm.counted and modes.warming_up  # the exploration warms up
@@ -1278,9 +1330,10 @@ def test_an_exploration_that_measured_nothing_goes_on_then_backs_off():
             modes.end(r, tokens, 1.0)
         return rounds[0].mode
 
-    modes = MeasuredModes(epoch_s=4.0, explore_retries=2)
+    modes = MeasuredModes(epoch_s=4.0, explore_retries=2, max_token_error=None)
     measured = modes._measured(level)
     measured.model, measured.off, measured.epochs, measured.next_explore = 10.0, 12.0, 6, 6
+    measured.measurements = {"model": 3, "off": 3}  # six epochs measured
     modes.current = "off"
     assert modes.begin(0.0, 3).mode == "model" and modes.warming_up
     assert explore(modes, 4.0, None) == "model"  # warmed up; its rounds fail: nothing measured
@@ -1289,7 +1342,7 @@ def test_an_exploration_that_measured_nothing_goes_on_then_backs_off():
     assert modes.begin(12.2, 3).mode == "model"
     assert measured.model == pytest.approx(10.0 + 0.3 * (15.0 - 10.0)) and measured.epochs == 7
 
-    modes = MeasuredModes(epoch_s=4.0, explore_retries=2)
+    modes = MeasuredModes(epoch_s=4.0, explore_retries=2, max_token_error=None)
     measured = modes._measured(level)
     measured.model, measured.off, measured.epochs, measured.next_explore = 10.0, 12.0, 6, 6
     modes.current = "off"
