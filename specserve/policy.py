@@ -889,11 +889,14 @@ class MeasuredModes:
 
     def _precise(self) -> bool:
         """Whether the window's ended rounds pin the mode's mean tokens a round to
-        `max_token_error` (relative standard error). Off's rounds emit one token each: always."""
+        `max_token_error` (relative standard error), from at least two rounds per request the
+        window waits for (a handful of equal rounds is no estimate of the spread: at chat 4
+        streams a wave's first three kept rounds emitted one token each and closed the window
+        with a standard error of 0). Off's rounds emit one token each: always."""
         if self.current == "off" or self.max_token_error is None:
             return True
         n = self._kept
-        if n < 2:
+        if n < 2 * self._needed:
             return False
         mean = self._tokens / n
         variance = max(0.0, self._tokens_sq / n - mean * mean) * n / (n - 1)

@@ -515,6 +515,13 @@ def test_the_model_s_window_stays_open_until_its_tokens_a_round_are_known():
     assert rounds == 30  # the window closed at its cap, 3 epochs
     assert capped.levels[MeasuredModes.level(4)].model is not None
 
+    alike = MeasuredModes(epoch_s=1.0, max_token_error=0.1)
+    rounds = 0
+    while (ticket := alike.begin(0.5 * rounds, 4)).mode == "model":  # one token a round, every round
+        alike.end(ticket, 1, 0.4)
+        rounds += 1
+    assert rounds == 8  # a spread of 0 is believed from two rounds per request in flight, not three
+
     off = MeasuredModes(epoch_s=1.0, max_token_error=0.01)
     off._measured(MeasuredModes.level(4)).model = 5.0  # measured: off's turn
     window = [off.begin(t, 4) for t in (0.0, 0.1, 0.2, 0.3)]
@@ -602,7 +609,7 @@ def test_a_catch_up_left_to_a_later_round_is_owed_until_it_starts():
 
 
 def test_an_epoch_whose_load_changed_measures_nothing():
-    modes = MeasuredModes(epoch_s=1.0)
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
     first = modes.begin(0.0, 8)
     assert first.mode == "model"
     second = modes.begin(0.5, 4)  # 8 -> 4 requests mid-epoch: nothing measured, a new epoch at 4
@@ -1049,7 +1056,7 @@ def test_a_wave_measures_the_model_first_and_explorations_wait_for_prompt_prefil
     wave's draft prefills in the epoch) against off's 3.8, and ran off. An exploration of the
     model that falls due while a prompt prefills waits: its epoch would make requests that ran
     off catch up exactly while the target prefills. A request's first round is never counted."""
-    modes = MeasuredModes(epoch_s=4.0)
+    modes = MeasuredModes(epoch_s=4.0, max_token_error=None)
     level = MeasuredModes.level(8)
     firsts = [modes.begin(0.1 * i, 8, prefilling=True, first_round=True) for i in range(8)]
     assert all(r.mode == "model" and not r.counted for r in firsts) and modes.warming_up
@@ -1079,12 +1086,12 @@ def test_a_wave_measures_the_model_first_and_explorations_wait_for_prompt_prefil
     assert epoch(24.0, 1, prefilling=True) == "off"  # it waits for the prefill
     assert modes.begin(29.0, 8).mode == "model" and modes.warming_up  # and runs once none is running
     # a level reached in mid-wave, its requests having run off: the switch has a cost, and off runs first
-    modes = MeasuredModes(epoch_s=4.0)
+    modes = MeasuredModes(epoch_s=4.0, max_token_error=None)
     assert modes.begin(0.0, 8, switch_cost_s=20.0).mode == "off"
     # a request that drafted its last round is synced; one that ran off has its text to catch up
     assert switch_catch_up_tokens([(5, 4), (9, 4), (300, 4), (40, 4)]) == 340
     # where the model measured better, a prefill's epoch runs the model
-    modes = MeasuredModes(epoch_s=4.0)
+    modes = MeasuredModes(epoch_s=4.0, max_token_error=None)
     modes._measured(level).model, modes._measured(level).off = 20.0, 12.0
     assert modes.begin(0.0, 8, prefilling=True).mode == "model"
 
@@ -1109,13 +1116,13 @@ def test_off_is_not_measured_where_the_model_beats_its_prediction_widely():
     back toward the prediction, off is explored again."""
     level = MeasuredModes.level(4)
     for off_predicted, runs_off in ((3.5, False), (5.0, True), (None, True)):
-        modes = MeasuredModes(epoch_s=4.0, off_margin=0.4)
+        modes = MeasuredModes(epoch_s=4.0, off_margin=0.4, max_token_error=None)
         # the model first: 6 tok/s in all
         assert four_request_epoch(modes, 0.0, 6, off_predicted=off_predicted) == "model"
         assert (four_request_epoch(modes, 5.0, 6, off_predicted=off_predicted) == "off") == runs_off, off_predicted
         assert modes.levels[level].model == pytest.approx(6.0)
     # 6 > 1.4 x 3.5: off is never measured, not even when an exploration falls due ...
-    modes = MeasuredModes(epoch_s=4.0, off_margin=0.4, explore_every=2)
+    modes = MeasuredModes(epoch_s=4.0, off_margin=0.4, explore_every=2, max_token_error=None)
     assert [four_request_epoch(modes, 5.0 * i, 6, off_predicted=3.5) for i in range(12)] == ["model"] * 12
     assert modes.levels[level].off is None
     assert modes.estimates(4)["off_predicted"] == 3.5
@@ -1138,7 +1145,7 @@ def test_a_level_s_first_decision_gives_a_tie_to_the_model_and_later_ones_keep_t
     decision gives a tie to the model. Off measured clearly better still wins it; after it, a
     tie keeps the running mode (the hysteresis)."""
     for off_tokens, decision in ((21, "model"), (24, "off")):  # model 20 tok/s: off 5% and 20% above it
-        modes = MeasuredModes(epoch_s=4.0, hysteresis=0.1)
+        modes = MeasuredModes(epoch_s=4.0, hysteresis=0.1, max_token_error=None)
         modes_run = [four_request_epoch(modes, 5.0 * i, tokens) for i, tokens in enumerate((20, off_tokens))]
         assert modes_run == ["model", "off"]
         assert four_request_epoch(modes, 10.0, off_tokens) == decision
@@ -1176,13 +1183,13 @@ def test_a_switch_to_the_model_warms_up_until_the_draft_pools_caught_up_then_mea
     assert not modes.warming_up  # staying on the model needs no warm-up
 
     # catch-ups that never end (requests keep arriving) end the warm-up at its cap
-    modes = MeasuredModes(epoch_s=4.0, max_warm_up_epochs=4)
+    modes = MeasuredModes(epoch_s=4.0, max_warm_up_epochs=4, max_token_error=None)
     modes.current = "off"
     assert modes.begin(0.0, 16).mode == "model" and modes.warming_up  # first measurement of the model
     assert modes.begin(15.0, 16, catching_up=True).mode == "model" and modes.warming_up
     assert modes.begin(16.0, 16, catching_up=True).counted and not modes.warming_up
     # a switch to off needs none, nor does the model below the measured levels
-    modes = MeasuredModes(epoch_s=1.0)
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
     for r in [modes.begin(t, 3) for t in (0.0, 0.1, 0.2, 1.0)]:
         modes.end(r, 1, 0.5)
     assert modes.begin(1.1, 3).mode == "off" and not modes.warming_up
