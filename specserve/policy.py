@@ -602,6 +602,7 @@ class _ModeGoodput:
     warm_up_s: float = 0.0  # how long the level's last switch to the model warmed up
     explore_after: float = 0.0  # and no exploration before this time (MeasuredModes.explore_budget)
     since: float | None = None  # when the level's first epoch began
+    seen: float | None = None  # when a round last began at the level
     decided: bool = False  # the level chose between the modes once (both measured, or off predicted)
     warmed: bool = False  # a warm-up ran at the level (so its first look at the model is done)
     switched_at: float | None = None  # when the level's last switch to the model warmed up
@@ -679,6 +680,12 @@ class MeasuredModes:
     burst owes its prompt's until its second round), but is no switch: it takes nothing from
     the budget.
 
+    Forgetting. A level where no round began for `stale_s` is measured afresh when requests come
+    back to it: what comes back need not be what left (on the bench, chat at 8 streams after
+    code at 8 inherited code's model estimate of 13.2 tok/s: off went unmeasured for two minutes,
+    being predicted to lose by more than `off_margin`, and chat's own epochs of the model, 6.3-9.5
+    tok/s, moved the estimate only to 9.9, above off's 8.8, while always off ran 1.2x always on).
+
     Predicting off. Off's costs are the target's passes and nothing else, which the load model
     sees whole (`LoadModel.off_goodput`): where the model measured above that prediction by
     more than `off_margin`, off is neither measured nor explored.
@@ -723,6 +730,7 @@ class MeasuredModes:
     # by more than this: the prediction errs low by 10-16% while requests speculate, so a wrong
     # call needs it 40% low
     off_margin: float = 0.4
+    stale_s: float = 60.0  # a level where no round began for this long starts afresh
     levels: dict[int, _ModeGoodput] = field(default_factory=dict)
     current: str = "model"
     warming_up: bool = False  # the running epoch warms the model up: not measured
@@ -816,6 +824,10 @@ class MeasuredModes:
             if self._level != 0:
                 self._start(now, 0, in_flight, "model", False)
             return
+        stale = self.levels.get(level)
+        if stale is not None and stale.seen is not None and now - stale.seen > self.stale_s:
+            del self.levels[level]  # see "Forgetting"
+        self._measured(level).seen = now
         if self._started is None or level != self._level:  # the load moved: the epoch measures nothing
             self._start(now, level, in_flight, *self._next(level, prefilling, now), busy=prefilling or catching_up)
             return

@@ -532,6 +532,29 @@ def test_the_model_s_window_stays_open_until_its_tokens_a_round_are_known():
     assert off.levels[MeasuredModes.level(4)].off == pytest.approx(8.0)
 
 
+def test_a_level_not_seen_for_a_while_is_measured_afresh():
+    """Chat at 8 streams after code at 8 inherited code's model estimate (13.2 tok/s): off went
+    unmeasured, predicted to lose, and chat's own epochs (6.3-9.5) left the estimate above off's
+    8.8 where always off ran 1.2x always on. A level where no round began for `stale_s` starts
+    afresh: the model first, then off."""
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None, stale_s=60.0)
+    level = MeasuredModes.level(8)
+    stale = modes._measured(level)
+    stale.model, stale.off, stale.decided = 13.2, 8.8, True
+    assert modes.begin(0.0, 8).mode == "model"
+    modes.begin(0.0, 1)  # the load falls below the measured levels ...
+    assert modes.begin(30.0, 8).mode == "model" and modes.levels[level].model == 13.2  # ... back within a minute: kept
+    modes.begin(30.0, 1)
+    ticket = modes.begin(100.0, 8)  # ... back after 70 s: measured afresh
+    fresh = modes.levels[level]
+    assert ticket.mode == "model" and (fresh.model, fresh.off, fresh.decided) == (None, None, False)
+    rounds = [ticket] + [modes.begin(100.0 + 0.1 * i, 8) for i in range(1, 8)]
+    for r in rounds:
+        modes.end(r, 2, 2.0)  # the model: 8 tok/s
+    assert modes.begin(102.0, 8, off_predicted=7.0).mode == "off"  # 8 is within off_margin of 7: off is measured
+    assert modes.levels[level].model == pytest.approx(8.0)
+
+
 def test_a_mode_s_first_epochs_weigh_alike():
     """One short draw must not set a mode's estimate for good: its second epoch weighs as much
     as its first (then 1/3, then the EMA's weight)."""
