@@ -638,20 +638,20 @@ class MeasuredModes:
     ended. Off's rounds emit one token each; the model's emit 1 to k+1 as drafts are accepted,
     and a window of 8-10 of them is one draw of acceptance: at code 4 streams a first look of 10
     rounds averaged 3.0 tokens a round (standard error 0.44) where always on's 403 rounds
-    averaged 3.5, measured the model below off, and the level ran off. An epoch that changes the mode opens its
-    window only once every round of the other mode has ended (the tail's too): until then its
-    rounds share passes with the other mode's (at chat 8 streams the first off rounds after the
-    model shared the target's passes with the model's 4-token verifies and its draft pool's
-    work: off measured 8.0 tok/s against the model's 9.0 where always off ran 9% faster than
-    always on). It measures exactly the rounds that began
-    in its window, each whole (at 16 streams here a round outlasts an epoch): their tokens over
+    averaged 3.5, measured the model below off, and the level ran off. An epoch that changes
+    the mode opens its window only once every round of the other mode has ended (the tail's
+    too): until then its rounds share passes with the other mode's (at chat 8 streams the first
+    off rounds after the model shared the target's passes with the model's 4-token verifies and
+    its draft pool's work: off measured 8.0 tok/s against the model's 9.0 where always off ran
+    9% faster than always on). It measures exactly the rounds that began in its window, each
+    whole (at 16 streams here a round outlasts an epoch): their tokens over
     their own seconds (less the prompt prefills they overlapped, which come with arrivals in
     either mode; a round that spent over half its time so, or that is a request's first, is
     not counted) x requests in flight, into the EMA of the mode at its level (log2 buckets of
     requests in flight; a mode's first epochs there are averaged evenly, so its second
-    measurement weighs as much as its first). An epoch whose level changed, that did not close within
-    `max_epoch_s` (rounds hanging), or that kept under half the rounds it counted (the rest
-    failed or waited for prefills), measures nothing; the next epoch measures that mode again
+    measurement weighs as much as its first). An epoch whose level changed, that did not close
+    within `max_epoch_s` (rounds hanging), or that kept under half the rounds it counted (the
+    rest failed or waited for prefills), measures nothing; the next epoch measures that mode again
     unless the decision moved on.
 
     Deciding. The next epoch runs the better mode, switching only for more than `hysteresis`.
