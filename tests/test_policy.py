@@ -403,7 +403,7 @@ def test_explorations_back_off_where_the_modes_tie():
     modes = MeasuredModes(epoch_s=2.0)
     runs = measured_epochs(run_modes(modes, [(500, 8, 25, 25.5)], random.Random(7), noise=0.01))
     switches = [i for i in range(2, len(runs)) if runs[i] != runs[i - 1]]
-    assert 3 <= len(switches) <= 10  # resetting to every 5th epoch on ties: more than 30
+    assert 3 <= len(switches) <= 16  # off runs, each exploration two switches; every 5th epoch: more than 30
     assert modes.levels[MeasuredModes.level(8)].explore_every > modes.explore_every
 
 
@@ -540,14 +540,14 @@ def test_a_level_not_seen_for_a_while_is_measured_afresh():
     modes = MeasuredModes(epoch_s=1.0, max_token_error=None, stale_s=60.0)
     level = MeasuredModes.level(8)
     stale = modes._measured(level)
-    stale.model, stale.off, stale.decided = 13.2, 8.8, True
+    stale.model, stale.off = 13.2, 8.8
     assert modes.begin(0.0, 8).mode == "model"
     modes.begin(0.0, 1)  # the load falls below the measured levels ...
     assert modes.begin(30.0, 8).mode == "model" and modes.levels[level].model == 13.2  # ... back within a minute: kept
     modes.begin(30.0, 1)
     ticket = modes.begin(100.0, 8)  # ... back after 70 s: measured afresh
     fresh = modes.levels[level]
-    assert ticket.mode == "model" and (fresh.model, fresh.off, fresh.decided) == (None, None, False)
+    assert ticket.mode == "model" and (fresh.model, fresh.off, fresh.warmed) == (None, None, False)
     rounds = [ticket] + [modes.begin(100.0 + 0.1 * i, 8) for i in range(1, 8)]
     for r in rounds:
         modes.end(r, 2, 2.0)  # the model: 8 tok/s
@@ -1161,20 +1161,19 @@ def test_off_is_not_measured_where_the_model_beats_its_prediction_widely():
     assert load.off_goodput() == pytest.approx(4 / (0.1 + 0.8 + 0.03 * 4), rel=0.05)
 
 
-def test_a_level_s_first_decision_gives_a_tie_to_the_model_and_later_ones_keep_the_running_mode():
-    """One epoch of each mode is a noisy comparison (the model's tokens per round swing with
-    acceptance), and off wrongly kept comes back only once a switch fits the budget, where the
-    model wrongly kept is corrected by a free exploration of off: so the level's first
-    decision gives a tie to the model. Off measured clearly better still wins it; after it, a
-    tie keeps the running mode (the hysteresis)."""
-    for off_tokens, decision in ((21, "model"), (24, "off")):  # model 20 tok/s: off 5% and 20% above it
+def test_the_model_runs_only_where_it_measured_clearly_above_off():
+    """The model's epochs leave out costs whole waves pay (the draft pool's prefill of each new
+    prompt, a wave's spread ends): where they tied, off won over the passes (chat 4: 1.07x, code
+    8: 1.09x, chat 8: 1.29x always on). So a tie goes to off, at the first decision and after."""
+    for off_tokens, decision in ((21, "off"), (19, "off"), (17, "model")):  # the model 20 tok/s
         modes = MeasuredModes(epoch_s=4.0, hysteresis=0.1, max_token_error=None)
         modes_run = [four_request_epoch(modes, 5.0 * i, tokens) for i, tokens in enumerate((20, off_tokens))]
         assert modes_run == ["model", "off"]
         assert four_request_epoch(modes, 10.0, off_tokens) == decision
-    # later, off having won (24 tok/s): the model measures 5% above it, a tie, and off keeps running
-    modes.levels[MeasuredModes.level(4)].model = 25.2
-    assert four_request_epoch(modes, 15.0, 24) == "off"
+    # later, the model running (20 against 17): an epoch of it at 18 tok/s leaves its lead under 10%
+    assert four_request_epoch(modes, 15.0, 20) == "model"
+    modes.levels[MeasuredModes.level(4)].model = 18.0
+    assert four_request_epoch(modes, 20.0, 18) == "off"
 
 
 def test_a_switch_to_the_model_warms_up_until_the_draft_pools_caught_up_then_measures_it():
@@ -1200,9 +1199,9 @@ def test_a_switch_to_the_model_warms_up_until_the_draft_pools_caught_up_then_mea
     assert all(r.counted for r in rounds) and not modes.warming_up
     rounds.append(modes.begin(11.0, 3))  # the window's end: the tail
     for r in rounds:
-        modes.end(r, 5, 1.0)
-    assert modes.begin(11.5, 3).mode == "model"  # 15 tok/s: within the hysteresis of off's 12, the model stays
-    assert measured.model == pytest.approx(10.0 + 0.3 * (15.0 - 10.0)) and measured.epochs == 7
+        modes.end(r, 10, 1.0)
+    assert modes.begin(11.5, 3).mode == "model"  # 30 tok/s: now clearly above off's 12, the model stays
+    assert measured.model == pytest.approx(10.0 + 0.3 * (30.0 - 10.0)) and measured.epochs == 7
     assert not modes.warming_up  # staying on the model needs no warm-up
 
     # catch-ups that never end (requests keep arriving) end the warm-up at its cap
@@ -1368,9 +1367,9 @@ def test_an_exploration_that_measured_nothing_goes_on_then_backs_off():
     assert modes.begin(0.0, 3).mode == "model" and modes.warming_up
     assert explore(modes, 4.0, None) == "model"  # warmed up; its rounds fail: nothing measured
     assert (measured.model, measured.epochs) == (10.0, 6)
-    assert explore(modes, 8.1, 5) == "model"  # it goes on: 15 tok/s
+    assert explore(modes, 8.1, 10) == "model"  # it goes on: 30 tok/s
     assert modes.begin(12.2, 3).mode == "model"
-    assert measured.model == pytest.approx(10.0 + 0.3 * (15.0 - 10.0)) and measured.epochs == 7
+    assert measured.model == pytest.approx(10.0 + 0.3 * (30.0 - 10.0)) and measured.epochs == 7
 
     modes = MeasuredModes(epoch_s=4.0, explore_retries=2, max_token_error=None)
     measured = modes._measured(level)
