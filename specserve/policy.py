@@ -936,8 +936,8 @@ class MeasuredModes:
         weight = max(self.weight, 1 / count)  # the first epochs evenly: one short draw must not set it
         setattr(measured, self.current, goodput if last is None else last + weight * (goodput - last))
         measured.epochs += 1
-        if self._exploring:
-            self._back_off(measured, overturned=self._clearly_better(measured, self.current))
+        if self._exploring:  # it overturned the decision where the mode it explored is now the better
+            self._back_off(measured, overturned=self._best(measured) == self.current)
         return True
 
     def _back_off(self, measured: _ModeGoodput, overturned: bool) -> None:
@@ -951,10 +951,12 @@ class MeasuredModes:
         return self.levels.setdefault(level, _ModeGoodput(explore_every=self.explore_every,
                                                           next_explore=self.explore_every))
 
-    def _clearly_better(self, measured: _ModeGoodput, mode: str) -> bool:
-        """Whether `mode` measured more than `hysteresis` above the other mode."""
-        mine, other = (measured.model, measured.off) if mode == "model" else (measured.off, measured.model)
-        return mine is not None and other is not None and mine > other * (1 + self.hysteresis)
+    def _best(self, measured: _ModeGoodput) -> str:
+        """The better mode by the level's measurements: the model only where it measured more
+        than `hysteresis` above off (a tie goes to off: see "Deciding" in the class docstring)."""
+        if measured.off is None or (measured.model is not None and measured.model > measured.off * (1 + self.hysteresis)):
+            return "model"
+        return "off"
 
     def _next(self, level: int, prefilling: bool, now: float) -> tuple[str, bool]:
         """The mode of the next epoch at `level`, and whether it explores (due by the epochs
@@ -972,8 +974,7 @@ class MeasuredModes:
         off_loses = self._off_clearly_loses(measured)
         if measured.off is None and not off_loses:  # a switch to off costs nothing: at once
             return "off", False
-        # the model only where it measured clearly above off: see "Deciding" in the class docstring
-        best = "model" if measured.off is None or self._clearly_better(measured, "model") else "off"
+        best = self._best(measured)
         other = "off" if best == "model" else "model"
         # an exploration of the model keeps to the budget by the last switch's measured warm-up
         # (explore_after) and by what this one is predicted to cost: the requests in flight may

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from specserve.policy import (AcceptanceTracker, LoadModel, MeasuredModes, PolicyConfig, PrefillWatch,
-                              SpeculationPolicy, StepTimeModel, switch_catch_up_tokens)
+                              SpeculationPolicy, StepTimeModel, _ModeGoodput, switch_catch_up_tokens)
 from specserve.protocol import SamplingParams, Speculation, TokenTree, VerifyResult
 from specserve.request_state import RequestState
 
@@ -405,6 +405,26 @@ def test_explorations_back_off_where_the_modes_tie():
     switches = [i for i in range(2, len(runs)) if runs[i] != runs[i - 1]]
     assert 3 <= len(switches) <= 16  # off runs, each exploration two switches; every 5th epoch: more than 30
     assert modes.levels[MeasuredModes.level(8)].explore_every > modes.explore_every
+
+
+def test_an_exploration_of_off_that_finds_a_tie_overturns_the_decision():
+    """A tie goes to off, so an exploration of off that brings off within the hysteresis of the
+    model changes the decision: it overturned it, and the next exploration (of the model, now
+    the worse mode) waits the first interval again, not twice as long."""
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
+    level = MeasuredModes.level(4)
+    modes.levels[level] = _ModeGoodput(model=10.0, off=9.2, epochs=5, measurements={"model": 5, "off": 5},
+                                       explore_every=10, next_explore=5, warmed=True, since=0.0, seen=0.0)
+    now, rounds = 0.0, []
+    while not rounds or modes.epoch == rounds[0].epoch:  # the exploration's epoch, to its close
+        ticket = modes.begin(now, 4)
+        rounds.append(ticket)
+        modes.end(ticket, tokens=1, seconds=4 / 10.3)  # off measures 10.3 tok/s at 4 requests
+        now += 0.25
+    assert rounds[0].mode == "off" and modes.current == "off"  # explored, then kept: 9.53 x 1.05 > 10
+    measured = modes.levels[level]
+    assert measured.off == pytest.approx(9.2 + 0.3 * 1.1)
+    assert measured.explore_every == modes.explore_every  # reset, where "not clearly better" doubled it to 20
 
 
 def test_an_epoch_measures_the_rounds_that_began_in_it_whole():
