@@ -653,13 +653,19 @@ class MeasuredModes:
     rest failed or waited for prefills), measures nothing; the next epoch measures that mode again
     unless the decision moved on.
 
-    Deciding. The model runs only where it measured more than `hysteresis` above off; a tie
-    goes to off. Its epochs leave out costs that whole waves of requests pay (the draft pool's
-    prefill of every new prompt, a request's first round, the spread ends of a wave), so where
-    the epochs tie, off wins over whole passes: chat at 4 streams (the model 7.6-7.7 tok/s,
-    off 7.7; always off ran 1.07x always on), code at 8 (9.7 against 9.4; 1.09x), chat at 8
-    (9.7 against 9.4; 1.29x). (A level's first decision gave a tie to the model while its
-    epochs counted 8-10 rounds, and a tie said little.) Below `min_in_flight`
+    Deciding. The model runs only where it measured more than `model_margin` (20%) above off;
+    closer than that goes to off. Its epochs see a level in the middle of its load and leave out
+    costs that whole waves of requests pay (the draft pool's prefill of every new prompt on the
+    cores the target uses, a request's first round, the spread ends of a wave, where requests
+    that speculated at different acceptance finish apart), and over whole passes always on's
+    gain over always off fell short of the epochs' by a factor of 1.07-1.6 at every level
+    measured: chat 8 streams, the model 10.5-11.2 tok/s against off's 9.3 (1.13-1.20x) where
+    always off ran 1.08x always on; chat 4, 7.6 against 7.7, always off 1.07x; code 4, the
+    model 1.36-1.55x off mid-wave, always on 1.10x always off over the passes; code 16, 1.4-1.8x
+    against 1.15x. Where speculation wins at a level by less than the margin, off gives up
+    little (code at 8 streams: always on 0.98-1.03x always off). (With a 5% margin chat 8 ran
+    the model in 75-79% of rounds: 0.94x the better fixed setting; a level's first decision
+    once gave a tie to the model, 0.77x.) Below `min_in_flight`
     requests the model alone decides: a lone request has no other requests' costs it cannot
     see, and at 2 a prompt prefill in an epoch swings it more than the modes differ.
 
@@ -714,7 +720,8 @@ class MeasuredModes:
     max_epoch_s: float = 40.0  # an epoch not closed by then measures nothing
     explore_every: int = 5  # epochs before a level's first exploration (then backing off)
     max_explore_every: int = 40
-    hysteresis: float = 0.05
+    # the model runs only where it measured this far above off (see "Deciding"); under it, off
+    model_margin: float = 0.2
     weight: float = 0.3  # an epoch's weight in its mode's EMA (once the mode has 1/weight epochs)
     # the model's window stays open until its ended rounds' mean tokens a round has at most this
     # relative standard error (at code 4 streams, ~25 rounds: ~14 s), but no longer than
@@ -953,8 +960,8 @@ class MeasuredModes:
 
     def _best(self, measured: _ModeGoodput) -> str:
         """The better mode by the level's measurements: the model only where it measured more
-        than `hysteresis` above off (a tie goes to off: see "Deciding" in the class docstring)."""
-        if measured.off is None or (measured.model is not None and measured.model > measured.off * (1 + self.hysteresis)):
+        than `model_margin` above off (see "Deciding" in the class docstring)."""
+        if measured.off is None or (measured.model is not None and measured.model > measured.off * (1 + self.model_margin)):
             return "model"
         return "off"
 
