@@ -664,7 +664,7 @@ class MeasuredModes:
     model 1.36-1.55x off mid-wave, always on 1.10x always off over the passes; code 16, 1.4-1.8x
     against 1.15x. Where speculation wins at a level by less than the margin, off gives up
     little (code at 8 streams: always on 0.98-1.03x always off). (With a 5% margin chat 8 ran
-    the model in 75-79% of rounds: 0.94x the better fixed setting; a level's first decision
+    the model in 75-91% of rounds: 0.93-0.94x the better fixed setting; a level's first decision
     once gave a tie to the model, 0.77x.) Below `min_in_flight`
     requests the model alone decides: a lone request has no other requests' costs it cannot
     see, and at 2 a prompt prefill in an epoch swings it more than the modes differ.
@@ -961,9 +961,10 @@ class MeasuredModes:
     def _best(self, measured: _ModeGoodput) -> str:
         """The better mode by the level's measurements: the model only where it measured more
         than `model_margin` above off (see "Deciding" in the class docstring)."""
-        if measured.off is None or (measured.model is not None and measured.model > measured.off * (1 + self.model_margin)):
+        if measured.off is None:
             return "model"
-        return "off"
+        leads = measured.model is not None and measured.model > measured.off * (1 + self.model_margin)
+        return "model" if leads else "off"
 
     def _next(self, level: int, prefilling: bool, now: float) -> tuple[str, bool]:
         """The mode of the next epoch at `level`, and whether it explores (due by the epochs

@@ -409,8 +409,9 @@ def test_explorations_back_off_where_the_modes_tie():
 
 def test_an_exploration_of_off_that_finds_a_tie_overturns_the_decision():
     """Off wins where the model leads by less than `model_margin`, so an exploration of off that
-    brings off within the margin changes the decision: it overturned it, and the next exploration (of the model, now
-    the worse mode) waits the first interval again, not twice as long."""
+    brings off within the margin changes the decision: it overturned it, and the next
+    exploration (of the model, now the worse mode) waits the first interval again, not twice
+    as long."""
     modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
     level = MeasuredModes.level(4)
     modes.levels[level] = _ModeGoodput(model=10.0, off=8.2, epochs=5, measurements={"model": 5, "off": 5},
@@ -424,7 +425,7 @@ def test_an_exploration_of_off_that_finds_a_tie_overturns_the_decision():
     assert rounds[0].mode == "off" and modes.current == "off"  # explored, then kept: 8.44 x 1.2 > 10
     measured = modes.levels[level]
     assert measured.off == pytest.approx(8.2 + 0.3 * 0.8)
-    assert measured.explore_every == modes.explore_every  # reset, where "not clearly better" doubled it to 20
+    assert measured.explore_every == modes.explore_every  # reset (counted as not overturning, it doubled to 20)
 
 
 def test_an_epoch_measures_the_rounds_that_began_in_it_whole():
