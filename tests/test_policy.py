@@ -1173,6 +1173,12 @@ def test_off_is_not_measured_where_the_model_beats_its_prediction_widely():
     # ... until the model measures close to it (acceptance fell, say): then off is measured
     assert "off" in [four_request_epoch(modes, 60.0 + 5.0 * i, 4, off_predicted=3.5) for i in range(8)]
     assert modes.levels[level].off is not None
+    # the default margin leaves room for the prediction's error (up to 30% low) and the model's
+    # margin over off: chat 8's first look, 1.45x the prediction, measures off; code 16's, 1.7x, not
+    for ratio, runs_off in ((1.45, True), (1.7, False)):
+        modes = MeasuredModes(epoch_s=4.0, max_token_error=None)
+        assert four_request_epoch(modes, 0.0, 6, off_predicted=6 / ratio) == "model"
+        assert (four_request_epoch(modes, 5.0, 6, off_predicted=6 / ratio) == "off") == runs_off, ratio
 
     # the prediction: every request in flight in one pass of the target's fitted step time
     load = LoadModel(in_flight=4, overhead_s=0.1)
