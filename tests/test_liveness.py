@@ -127,3 +127,32 @@ def test_a_pool_that_answers_no_ping_is_given_up_on():
 
     waited, last_reply = asyncio.run(run())
     assert 0.3 <= waited < 1.0 and last_reply is None  # expected + quiet, then the ping's own quiet period
+
+
+def test_a_stall_of_the_routers_own_event_loop_is_not_the_pools_silence():
+    """The loop blocks past the quiet period (a GC pause, a blocking call, a starved process).
+    When it wakes, the give-up timeout, another call's reply and this call's own reply are all
+    due; the timeout comes first in the loop's order, and must not win (CI once gave up on a
+    call this way, 0.3 s after its reply was due)."""
+    async def run():
+        liveness = PoolLiveness()
+
+        async def others():  # another request's calls come back at 0.08 s, then every 0.1 s
+            await asyncio.sleep(0.08)
+            while True:
+                liveness.replied(time.monotonic())
+                await asyncio.sleep(0.1)  # due at 0.18: after the give-up timeout at 0.15
+
+        async def stall():
+            await asyncio.sleep(0.1)
+            time.sleep(0.6)  # blocks the loop past the timeout, the reply and the call's end
+
+        chatter, staller = asyncio.create_task(others()), asyncio.create_task(stall())
+        await asyncio.sleep(0)  # both started before the call
+        try:
+            return await await_while_alive(_slow(0.3), liveness, expected_s=0.0, quiet_s=0.15, max_s=5.0)
+        finally:
+            chatter.cancel()
+            await staller
+
+    assert asyncio.run(run()) == "draft"

@@ -58,26 +58,41 @@ async def await_while_alive(call: Awaitable[T], liveness: PoolLiveness, *, expec
     on. Replies are recorded in `liveness`."""
     started = clock()
     task = asyncio.ensure_future(call)
+
+    def deadline() -> float:
+        return give_up_at(started, expected_s=expected_s, quiet_s=quiet_s, max_s=max_s,
+                          last_reply=liveness.last_reply)
+
     try:
         while True:
             now = clock()
-            deadline = give_up_at(started, expected_s=expected_s, quiet_s=quiet_s, max_s=max_s,
-                                  last_reply=liveness.last_reply)
-            if now >= deadline:
+            if now >= deadline():
+                # A stalled event loop (GC, a blocking call, a starved process) wakes with this
+                # timeout, the call's own reply and other calls' replies all due at once: let
+                # what is already due run before taking the silence for the pool's.
+                await asyncio.sleep(0)
+                if task.done():
+                    return _replied(task, liveness, clock)
+                now = clock()
+            if now >= deadline():
                 if ping is not None and now - started < max_s and await _answers(ping, quiet_s):
                     liveness.replied(clock())  # busy, not down
                     continue
                 now = clock()  # after the ping
                 raise TimeoutError(f"no reply in {now - started:.1f} s (pool last heard "
                                    f"{'never' if liveness.last_reply is None else f'{now - liveness.last_reply:.1f} s ago'})")
-            done, _ = await asyncio.wait({task}, timeout=deadline - now)
+            done, _ = await asyncio.wait({task}, timeout=deadline() - now)
             if done:
-                result = task.result()
-                liveness.replied(clock())
-                return result
+                return _replied(task, liveness, clock)
     finally:
         if not task.done():
             task.cancel()
+
+
+def _replied(task: asyncio.Future, liveness: PoolLiveness, clock: Callable[[], float]):
+    result = task.result()  # a failed call raises its own error and is not a reply
+    liveness.replied(clock())
+    return result
 
 
 async def _answers(ping: Callable[[], Awaitable], timeout_s: float) -> bool:
