@@ -121,7 +121,7 @@ bench-hydra: models
 # minutes the first time on a 2-core CPU, continuations then cached; 5 minutes after).
 REPLAY_TREES = chain budget=8,depth=4,width=2,min_score=0 budget=12,depth=4,width=3,min_score=0 \
 	budget=16,depth=4,width=4,min_score=0.05 budget=16,depth=4,width=4,min_score=0 \
-	budget=24,depth=4,width=6,min_score=0 budget=32,depth=4,width=8,min_score=0
+	budget=24,depth=4,width=6,min_score=0 budget=32,depth=4,width=8,min_score=0 shape=mc_sim_7b_63
 replay-heads: models
 	mkdir -p bench-results/replay-heads
 	$(VENV)/bin/specserve replay-heads --workloads code --prompts 40 --trees $(REPLAY_TREES) \

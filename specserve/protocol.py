@@ -166,6 +166,22 @@ class TokenTree:
         return mask
 
 
+# Static tree shapes known by name (TreeSpec(shape="mc_sim_7b_63")). mc_sim_7b_63 is Medusa's
+# default tree (FasterDecoding/Medusa, medusa/model/medusa_choices.py): 63 nodes, 4 levels, up to
+# 10 children at the root. Hydra's evaluation (zankner/Hydra, --hydra-choices) uses it too, so it
+# is the tree under the papers' accepted lengths.
+NAMED_TREE_SHAPES: dict[str, tuple[tuple[int, ...], ...]] = {
+    "mc_sim_7b_63": (
+        (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4), (2, 0), (0, 5),
+        (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8), (0, 0, 2), (3, 0), (0, 9), (8,),
+        (9,), (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0), (2, 1), (0, 0, 4), (0, 0, 5), (0, 0, 0, 0),
+        (0, 1, 1), (0, 0, 6), (0, 3, 0), (5, 0), (1, 3), (0, 0, 7), (0, 0, 8), (0, 0, 9), (6, 0), (0, 4, 0),
+        (1, 4), (7, 0), (0, 1, 2), (2, 0, 0), (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1),
+        (9, 0), (0, 6, 0), (0, 0, 0, 1), (1, 6), (0, 7, 0),
+    ),
+}
+
+
 @dataclass(frozen=True)
 class TreeSpec:
     """How a draft model grows its token tree each round (method `tree`).
@@ -180,6 +196,8 @@ class TreeSpec:
     Medusa's `medusa_choices`: (0,) is the draft's first choice after the root, (0, 1) its
     second choice after that, (1,) its second choice at the root. Every prefix of a path must
     be listed, and a node's ranks must be 0..n-1. `budget` and `depth` follow from the shape.
+    A name from NAMED_TREE_SHAPES stands for its paths ("mc_sim_7b_63": Medusa's and Hydra's
+    63-node default).
 
     Sampled requests draw a node's children without replacement from the draft's distribution
     (the shape decides only how many), which lossless multi-draft verification needs.
@@ -189,9 +207,14 @@ class TreeSpec:
     depth: int = 12
     width: int = 4
     min_score: float = 0.2
-    shape: tuple[tuple[int, ...], ...] | None = None
+    shape: tuple[tuple[int, ...], ...] | str | None = None  # a name from NAMED_TREE_SHAPES becomes its paths
 
     def __post_init__(self) -> None:
+        if isinstance(self.shape, str):
+            if self.shape not in NAMED_TREE_SHAPES:
+                raise SpecserveError(f"unknown tree shape {self.shape!r}: give paths of child ranks or one of "
+                                     f"{', '.join(NAMED_TREE_SHAPES)}")
+            object.__setattr__(self, "shape", NAMED_TREE_SHAPES[self.shape])
         if self.shape is not None:
             shape = tuple(sorted({tuple(int(r) for r in path) for path in self.shape}, key=lambda p: (len(p), p)))
             check_shape(shape)

@@ -7,11 +7,12 @@ import pytest
 
 from conftest import hf_greedy, make_co_located_decoder, tiny_heads, tiny_hydra_heads, tiny_model, tiny_redrafter
 from specserve.benchmarks.replay import Trajectory, greedy_continuations, hidden_along, parse_tree, replay
-from specserve.protocol import SamplingParams, SpecserveError, TokenTree, TreeSpec
+from specserve.protocol import NAMED_TREE_SHAPES, SamplingParams, SpecserveError, TokenTree, TreeSpec
 from test_medusa import PROMPTS
 
 TREES = {"chain": None, "dynamic": TreeSpec(budget=10, depth=3, width=3, min_score=0.0),
-         "static": TreeSpec(shape=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))}
+         "static": TreeSpec(shape=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
+         "mc_sim_7b_63": TreeSpec(shape="mc_sim_7b_63")}  # the papers' 63-node tree, 4 levels: deeper than 3 heads
 
 
 def test_greedy_acceptance_walks_the_path_the_continuation_takes():
@@ -28,6 +29,10 @@ def test_tree_specs_parse_and_bad_ones_are_refused():
                                                                              min_score=0.05)
     with pytest.raises(SpecserveError, match="budget"):
         parse_tree("budget=0")
+    papers = parse_tree("shape=mc_sim_7b_63")
+    assert set(papers.shape) == set(NAMED_TREE_SHAPES["mc_sim_7b_63"]) and (papers.budget, papers.depth) == (63, 4)
+    with pytest.raises(SpecserveError, match="unknown tree shape"):
+        parse_tree("shape=mc_sim")
     for bad in ("breadth=4", "budget", "width=four"):
         with pytest.raises(SpecserveError, match="tree"):
             parse_tree(bad)

@@ -143,7 +143,7 @@ def test_builder_refuses_missing_heads_and_heads_of_another_model(tmp_path):
 
 
 def test_tree_args_become_a_tree_spec():
-    from specserve.protocol import TreeSpec
+    from specserve.protocol import NAMED_TREE_SHAPES, TreeSpec
     from specserve.serve.config import TreeArgs
     from specserve.serve.openai_api import TreeOverride
 
@@ -155,6 +155,14 @@ def test_tree_args_become_a_tree_spec():
     assert TreeOverride(shape=[[0]]).apply_to(base).shape == ((0,),)
     with pytest.raises(SpecserveError, match="budget"):
         TreeOverride(budget=1000).apply_to(base)
+    # a known shape by name, in the builder's args and in a request
+    papers = TreeArgs(shape="mc_sim_7b_63").spec()
+    assert (papers.budget, papers.depth, papers.shape) == (63, 4, TreeSpec(shape=NAMED_TREE_SHAPES["mc_sim_7b_63"]).shape)
+    assert TreeOverride(shape="mc_sim_7b_63").apply_to(base) == papers
+    with pytest.raises(ValidationError, match="unknown tree shape 'mc_sim'.*mc_sim_7b_63"):
+        TreeArgs(shape="mc_sim")
+    with pytest.raises(SpecserveError, match="unknown tree shape"):
+        TreeOverride(shape="mc_sim").apply_to(base)
 
 
 def test_builder_refuses_a_draft_with_another_vocabulary(tmp_path):

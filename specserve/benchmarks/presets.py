@@ -18,6 +18,7 @@ from specserve.benchmarks.systems import K, SERVED
 VS_VLLM = ["specserve none", f"specserve draft k={K}", "vllm none", f"vllm draft_model k={K}"]
 
 MEDUSA_TREE = {"budget": 16, "depth": 4, "width": 4, "min_score": 0.05}  # as deep as `make heads`' 4 heads
+PAPERS_TREE = {"shape": "mc_sim_7b_63"}  # Medusa's and Hydra's own evaluations: 63 nodes, 4 levels
 REDRAFTER_BEAMS = {"width": 4, "depth": 4, "budget": 16, "min_score": 0.05}  # manifests/local-redrafter.yaml
 NGRAM_TREE = {"budget": 16, "depth": 8, "width": 4}  # up to 4 earlier matches, 8 tokens each, merged
 
@@ -99,13 +100,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "hydra": {
         "help": "make bench-hydra: Hydra against Medusa heads (make heads, make heads-hydra), accepted length with the "
                 "same 16-node trees, pruned where a node's path score falls below 0.05 (as in the methods preset and "
-                "the manifests) and full (min_score 0: all 16 nodes, like the papers' static trees), 16 held-out "
+                "the manifests) and full (min_score 0: all 16 nodes), and with the papers' own static tree "
+                "(mc_sim_7b_63: 63 nodes, the default of both Medusa's and Hydra's evaluations), 16 held-out "
                 "prompts per workload, one pass",
         "modes": ["library"], "workloads": ["code", "chat"], "prompts": 16, "max_tokens": 96, "batch_sizes": [1],
         "repeats": 1, "systems": ["specserve *"],
         "variants": [("none", {}),
                      *[(method, {"shape": "tree", "tree": tree})
-                       for tree in (MEDUSA_TREE, {**MEDUSA_TREE, "min_score": 0.0}) for method in ("medusa", "hydra")]],
+                       for tree in (MEDUSA_TREE, {**MEDUSA_TREE, "min_score": 0.0}, PAPERS_TREE)
+                       for method in ("medusa", "hydra")]],
     },
     "adaptive": {
         "help": "make bench-adaptive: service mode through manifests/local.yaml at 1, 2, 4, 8 and 16 streams on code "

@@ -158,12 +158,12 @@ def load_trajectories(worker, tokenizer, target: str, workload: str, prompts: in
     return trajectories
 
 
-TREE_FIELDS = {"budget": int, "depth": int, "width": int, "min_score": float}
+TREE_FIELDS = {"budget": int, "depth": int, "width": int, "min_score": float, "shape": str}
 
 
 def parse_tree(text: str) -> TreeSpec | None:
-    """'chain' or 'budget=16,depth=4,width=4,min_score=0.05' (a dynamic TreeSpec's fields;
-    those left out keep TreeSpec's defaults)."""
+    """'chain', 'budget=16,depth=4,width=4,min_score=0.05' (a dynamic TreeSpec's fields; those
+    left out keep TreeSpec's defaults) or 'shape=mc_sim_7b_63' (a static shape by name)."""
     if text == "chain":
         return None
     fields = {}
@@ -171,7 +171,8 @@ def parse_tree(text: str) -> TreeSpec | None:
         key, _, value = part.partition("=")
         if key.strip() not in TREE_FIELDS or not value:
             raise SpecserveError(f"tree {text!r}: give 'chain' or comma-separated {', '.join(TREE_FIELDS)} "
-                                 f"as key=value, e.g. 'budget=16,depth=4,width=4,min_score=0.05'")
+                                 f"as key=value, e.g. 'budget=16,depth=4,width=4,min_score=0.05' or "
+                                 f"'shape=mc_sim_7b_63'")
         try:
             fields[key.strip()] = TREE_FIELDS[key.strip()](value)
         except ValueError:
@@ -191,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                         "than the benchmark's)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--trees", nargs="+", default=["budget=16,depth=4,width=4,min_score=0.05"],
-                        help="'chain' (one node per head) or dynamic trees as 'budget=16,depth=4,width=4,min_score=0'")
+                        help="'chain' (one node per head), dynamic trees as 'budget=16,depth=4,width=4,min_score=0' "
+                             "or static shapes by name, 'shape=mc_sim_7b_63' (Medusa's and Hydra's 63-node default)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     trees = [(text, parse_tree(text)) for text in args.trees]  # bad shapes are refused before any loading

@@ -48,8 +48,11 @@ class System:
 
 
 def variant_name(method: str, options: dict[str, Any]) -> str:
+    """'specserve medusa shape=tree budget=16 depth=4' from the options; a static tree shape
+    appears by its name ('shape=mc_sim_7b_63'), or as its node count when it has none."""
     suffix = " ".join(f"{key}={value}" for key, value in options.items() if not isinstance(value, dict))
-    nested = " ".join(f"{k}={v}" for value in options.values() if isinstance(value, dict) for k, v in value.items())
+    nested = " ".join(f"{k}={v if k != 'shape' or isinstance(v, str) else f'{len(v)}-node'}"
+                      for value in options.values() if isinstance(value, dict) for k, v in value.items())
     return " ".join(part for part in (f"specserve {method}", suffix, nested) if part)
 
 

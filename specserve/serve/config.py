@@ -153,8 +153,10 @@ class TreeArgs(_Strict):
     width: int = Field(TreeSpec.width, ge=1, le=MAX_TREE_NODES, description="new nodes per level (dynamic)")
     min_score: float = Field(TreeSpec.min_score, ge=0, lt=1,
                              description="skip nodes whose path probability under the draft is lower (dynamic)")
-    shape: list[list[int]] | None = Field(None, description="a static shape: paths of child ranks, e.g. "
-                                          "[[0], [1], [0, 0]]; budget and depth then follow from it")
+    shape: list[list[int]] | str | None = Field(None, description="a static shape: paths of child ranks, e.g. "
+                                                "[[0], [1], [0, 0]], or a known shape's name (mc_sim_7b_63: "
+                                                "Medusa's and Hydra's 63-node default); budget and depth then "
+                                                "follow from it")
 
     @model_validator(mode="after")
     def _valid_spec(self):

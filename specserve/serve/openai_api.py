@@ -22,7 +22,7 @@ class TreeOverride(BaseModel):
     depth: int | None = None
     width: int | None = None
     min_score: float | None = None
-    shape: list[list[int]] | None = None
+    shape: list[list[int]] | str | None = None  # paths of child ranks, or a name such as "mc_sim_7b_63"
 
     def apply_to(self, spec: TreeSpec) -> TreeSpec:
         """The deployment's spec with this request's fields; TreeSpec checks the ranges."""
