@@ -126,12 +126,13 @@ def _default_proposer(args: argparse.Namespace) -> str:
 def _tree_spec(args: argparse.Namespace):
     import json
 
-    shape = None
-    if args.tree_shape:
+    shape = args.tree_shape
+    if shape and shape.lstrip().startswith("["):
         try:
             shape = tuple(tuple(int(r) for r in path) for path in json.loads(args.tree_shape))
         except (ValueError, TypeError):
-            raise SpecserveError("--tree-shape takes JSON paths of child ranks, e.g. '[[0], [1], [0, 0]]'") from None
+            raise SpecserveError("--tree-shape takes JSON paths of child ranks, e.g. '[[0], [1], [0, 0]]', "
+                                 "or a shape's name (mc_sim_7b_63)") from None
     return TreeSpec(budget=args.tree_budget, depth=args.tree_depth, width=args.tree_width,
                     min_score=args.tree_min_score, shape=shape)
 
@@ -171,7 +172,8 @@ def add_generate_parser(subparsers) -> None:
                    help="--shape tree: skip nodes whose path probability under the draft is lower "
                         f"(default {defaults.min_score})")
     p.add_argument("--tree-shape", help="--shape tree: a static shape, JSON paths of child ranks, "
-                                        "e.g. '[[0], [1], [0, 0]]' (default: dynamic)")
+                                        "e.g. '[[0], [1], [0, 0]]', or a shape's name: mc_sim_7b_63 (Medusa's "
+                                        "and Hydra's 63-node default) (default: dynamic)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -79,3 +79,20 @@ def test_replayed_accepted_length_is_the_decoders(method, shape):
     assert sum(result.accepted_at_depth) > 0  # the heads do accept: the comparison means something
     assert (result.tokens, result.passes) == (tokens, passes)
     assert len(getattr(proposer, "contexts", ())) == 0  # the replay leaves no window behind
+
+
+def test_the_cli_takes_a_static_shape_as_paths_or_by_name():
+    import argparse
+
+    from specserve.cli import _tree_spec
+
+    def spec(shape):
+        return _tree_spec(argparse.Namespace(tree_budget=16, tree_depth=12, tree_width=4, tree_min_score=0.2,
+                                             tree_shape=shape))
+
+    assert spec("[[0], [1], [0, 0]]").shape == ((0,), (1,), (0, 0))
+    assert spec("mc_sim_7b_63") == TreeSpec(shape="mc_sim_7b_63")
+    assert spec(None).shape is None
+    for bad in ("[[0], [x]]", "papers"):
+        with pytest.raises(SpecserveError, match="tree-shape|unknown tree shape"):
+            spec(bad)
