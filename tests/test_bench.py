@@ -722,3 +722,14 @@ def test_pass_times_compare_worker_settings_by_row_count():
                                           {"setting": {}, "ms": {"1": [2.0], "3": [4.0]}}]}
     table = passes.markdown(report)
     assert "| linear_layout=one_row | 4 (3-5) | 8 (7-9) |" in table and "| defaults | 2 (2-2) | 4 (4-4) |" in table
+
+
+def test_a_static_tree_is_named_by_its_shape_name_or_node_count():
+    from specserve.benchmarks.presets import PRESETS
+    from specserve.benchmarks.systems import variant_name
+
+    assert variant_name("medusa", {"shape": "tree", "tree": {"shape": "mc_sim_7b_63"}}) == \
+        "specserve medusa shape=tree shape=mc_sim_7b_63"
+    assert variant_name("draft", {"tree": {"shape": [[0], [1], [0, 0]]}}) == "specserve draft shape=3-node"
+    hydra = [variant_name(m, o) for m, o in PRESETS["hydra"]["variants"]]
+    assert {"specserve medusa shape=tree shape=mc_sim_7b_63", "specserve hydra shape=tree shape=mc_sim_7b_63"} <= set(hydra)
