@@ -65,23 +65,23 @@ async def await_while_alive(call: Awaitable[T], liveness: PoolLiveness, *, expec
 
     try:
         while True:
-            now = clock()
-            if now >= deadline():
+            now, due = clock(), deadline()
+            if now >= due:
                 # A stalled event loop (GC, a blocking call, a starved process) wakes with this
                 # timeout, the call's own reply and other calls' replies all due at once: let
                 # what is already due run before taking the silence for the pool's.
                 await asyncio.sleep(0)
                 if task.done():
                     return _replied(task, liveness, clock)
-                now = clock()
-            if now >= deadline():
-                if ping is not None and now - started < max_s and await _answers(ping, quiet_s):
-                    liveness.replied(clock())  # busy, not down
-                    continue
-                now = clock()  # after the ping
-                raise TimeoutError(f"no reply in {now - started:.1f} s (pool last heard "
-                                   f"{'never' if liveness.last_reply is None else f'{now - liveness.last_reply:.1f} s ago'})")
-            done, _ = await asyncio.wait({task}, timeout=deadline() - now)
+                now, due = clock(), deadline()
+                if now >= due:
+                    if ping is not None and now - started < max_s and await _answers(ping, quiet_s):
+                        liveness.replied(clock())  # busy, not down
+                        continue
+                    now = clock()  # after the ping
+                    heard = "never" if liveness.last_reply is None else f"{now - liveness.last_reply:.1f} s ago"
+                    raise TimeoutError(f"no reply in {now - started:.1f} s (pool last heard {heard})")
+            done, _ = await asyncio.wait({task}, timeout=due - now)
             if done:
                 return _replied(task, liveness, clock)
     finally:
