@@ -24,6 +24,7 @@ from specserve.heads.train import (
     TrainOptions,
     choose_token_map,
     distillation_loss,
+    leading_sequences,
     sparse_teacher,
     teacher_distributions,
     train_heads,
@@ -85,6 +86,23 @@ def test_heads_learn_what_the_target_predicts(target, tmp_path, teacher_top):
     assert before[0] < 0.1
     assert after[0] > before[0] + 0.25, (before, after)
     assert all(a > b for a, b in zip(after, before)), (before, after)
+
+
+def test_the_report_measures_the_continuations_trained_on_beside_the_held_out_ones(target, tmp_path):
+    """trained_own_accuracy_*: the heads' top-1 on the first continuations they train on, so
+    a run that memorises its text (far above heldout_own) shows it."""
+    report = train(target, tmp_path / "heads", tiny_options(steps=60)).report
+    trained, held = report["trained_own_accuracy_after"], report["heldout_own_accuracy_after"]
+    assert len(trained) == len(held) == 3 and all(0 <= a <= 1 for a in trained)
+    assert trained[0] > report["trained_own_accuracy_before"][0] + 0.25, report
+
+
+def test_leading_sequences_take_whole_sequences_up_to_the_budget():
+    t = torch.arange(7)
+    offsets = torch.tensor([0, 2, 5, 7])
+    assert [x.tolist() for x in leading_sequences(t, t, t, offsets, 5)] == [[0, 1, 2, 3, 4]] * 3 + [[0, 2, 5]]
+    assert leading_sequences(t, t, t, offsets, 1)[3].tolist() == [0, 2]  # at least one sequence
+    assert leading_sequences(t, t, t, offsets, 100)[3].tolist() == [0, 2, 5, 7]
 
 
 def test_the_sparse_teacher_is_the_top_of_the_whole_distribution_renormalised():
