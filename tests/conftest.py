@@ -282,7 +282,9 @@ def smol_medusa_heads(tmp_path_factory):
     """Medusa heads for SmolLM2-135M, trained here by `specserve train-heads`' library function
     on the offline text: the directory they were saved to. Half of quick_options' data and 2/3
     of its steps (165 s here against 285 s; held-out top-1 of the first head 0.22 against 0.28
-    on text, 0.31 against 0.34 on the target's own continuations)."""
+    on text, 0.31 against 0.34 on the target's own continuations). The target's hidden states
+    and continuations are cached where `make heads` keeps its own (named by a hash of the
+    weights, text and options), so a later run only trains (~45 s of ~95 s saved)."""
     from specserve import models
     from specserve.heads.train import quick_options, train_heads
 
@@ -290,5 +292,6 @@ def smol_medusa_heads(tmp_path_factory):
         pytest.skip(f"run `specserve models pull {SMOL}` first (make test does)")
     out = tmp_path_factory.mktemp("smol-medusa")
     train_heads(SMOL, out, quick_options(num_heads=3, progress=False, max_tokens=8000, generated_tokens=1500,
-                                           generated_eval_tokens=256, steps=200), force=True, log=lambda *_: None)
+                                           generated_eval_tokens=256, steps=200), force=True, log=lambda *_: None,
+                cache_dir=models.specserve_home() / "heads" / "cache")
     return out
