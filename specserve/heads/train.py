@@ -56,6 +56,7 @@ MAX_FULL_HEAD_VOCAB = 65536  # larger vocabularies get a token map of TRUNCATED_
 TRUNCATED_HEAD_VOCAB = 32768
 EVAL_BATCH = 1024  # positions per evaluation batch
 TRAINED_EVAL_TOKENS = 4096  # training continuations measured like the held-out ones (memorisation)
+ACCURACY_LOG = "top-1 accuracy per head (held out: text, own; trained: continuations trained on)"
 
 Log = Callable[[str], object]
 
@@ -789,12 +790,16 @@ def _train(heads: TrainableHeads, teacher_weight: torch.Tensor, options: TrainOp
     draws = [(p, n) for p, n in ((text_positions, options.batch_size - own_count), (own_positions, own_count)) if n]
     window = getattr(heads, "context_window", 0)
     starts = sequence_starts(torch.cat([t["train.offsets"][:-1], t["gen.offsets"] + len(t["train.hidden"])])).to(device)
-    eval_sets = {"text": (t["eval.hidden"], t["eval.greedy"], t["eval.tokens"], t["eval.offsets"])}
+
+    def cached_set(name: str) -> tuple[torch.Tensor, ...]:
+        return tuple(t[f"{name}.{field}"] for field in ("hidden", "greedy", "tokens", "offsets"))
+
+    eval_sets = {"text": cached_set("eval")}
     if len(t["geneval.greedy"]):
-        eval_sets["own"] = (t["geneval.hidden"], t["geneval.greedy"], t["geneval.tokens"], t["geneval.offsets"])
+        eval_sets["own"] = cached_set("geneval")
     if len(t["gen.greedy"]):  # continuations the heads train on: their gap to "own" is memorisation
-        eval_sets["trained"] = leading_sequences(t["gen.hidden"], t["gen.greedy"], t["gen.tokens"], t["gen.offsets"],
-                                                 max(options.generated_eval_tokens, TRAINED_EVAL_TOKENS))
+        eval_sets["trained"] = leading_sequences(*cached_set("gen"), max(options.generated_eval_tokens,
+                                                                         TRAINED_EVAL_TOKENS))
 
     def evaluate() -> dict[str, list[float]]:
         return {name: heldout_accuracy(heads, teacher_weight, *tensors, device) for name, tensors in eval_sets.items()}
@@ -825,7 +830,7 @@ def _train(heads: TrainableHeads, teacher_weight: torch.Tensor, options: TrainOp
         before = checkpoint["accuracy_before"]
     else:
         before = evaluate()
-    log(f"top-1 accuracy per head (held out: text, own; trained: continuations trained on), untrained: {_fmt(before)}")
+    log(f"{ACCURACY_LOG}, untrained: {_fmt(before)}")
 
     def state() -> dict:
         return {"step": step, "options": options.resumable(), "cache_key": data["key"],
@@ -873,7 +878,7 @@ def _train(heads: TrainableHeads, teacher_weight: torch.Tensor, options: TrainOp
         return TrainResult(heads, out_dir, step, None)
 
     after = evaluate()
-    log(f"top-1 accuracy per head (held out: text, own; trained: continuations trained on), trained:   {_fmt(after)}")
+    log(f"{ACCURACY_LOG}, trained:   {_fmt(after)}")
     heads.save(out_dir)
     report = _report(options, data, heads, target, device, step, seconds, losses, before, after)
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
