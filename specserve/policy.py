@@ -213,67 +213,55 @@ class LoadModel:
 
 @dataclass
 class PrefillWatch:
-    """Which rounds overlapped a prefill, and how long prefills have run. Two kinds: a prompt's
-    prefill (a request's first round) and a draft pool's catch-up (a round whose propose call
-    carries more than a few tokens the draft has not seen: the request ran without the draft
-    for a while). A round that overlapped either waited for it (33-72 s per round at 16 streams
-    on a 2-core CPU, in passes it did not count as its own): a wait once per arriving request
-    or per switch of the draft back on, not a constant every round pays, so it must not be
-    learnt as round overhead. Learnt as one, it made every depth look better than off. For the
-    same reason `MeasuredModes` takes the time prompt prefills ran out of each round it
-    measures (`busy_s`: prompts only; prompts arrive in either mode, while a draft pool's
-    catch-up for a new request is a cost of speculating, and the ones after a switch fall in
-    `MeasuredModes`' warm-up).
+    """Which rounds overlapped a prefill. Two kinds: a prompt's prefill (a request's first
+    round) and a draft pool's catch-up (a round whose propose call carries more than a few
+    tokens the draft has not seen: the request ran without the draft for a while). A round
+    that overlapped either waited for it (33-72 s per round at 16 streams on a 2-core CPU, in
+    passes it did not count as its own): a wait once per arriving request or per switch of the
+    draft back on, not a constant every round pays, so it must not be learnt as round overhead.
+    Learnt as one, it made every depth look better than off. For the same reason
+    `MeasuredModes` does not count such rounds in its epochs.
 
     >>> watch = PrefillWatch()
-    >>> mine = watch.start(prefill=False, now=0.0)   # a decode round begins
-    >>> theirs = watch.start(prefill=True, now=1.0)  # another request's first round begins meanwhile
-    >>> watch.end(theirs, now=3.0); watch.clear(mine)
+    >>> mine = watch.start(prefill=False)   # a decode round begins
+    >>> theirs = watch.start(prefill=True)  # another request's first round begins meanwhile
+    >>> watch.end(theirs); watch.clear(mine)
     False
-    >>> watch.clear(watch.start(prefill=False, now=3.0))
+    >>> watch.clear(watch.start(prefill=False))
     True
-    >>> catch_up = watch.start(prefill=False, now=4.0, catch_up=True)  # a draft pool catches up
+    >>> catch_up = watch.start(prefill=False, catch_up=True)  # a draft pool catches up
     >>> watch.active, watch.catching_up
     (0, 1)
-    >>> watch.end(catch_up, now=5.0); watch.busy_s(now=6.0)   # prompts' prefill time only
-    2.0
     """
 
     active: int = 0  # requests in their first (prompt-prefill) round
     catching_up: int = 0  # rounds whose draft pool catches up on tokens it has not seen
     events: int = 0  # prefills of either kind started or ended so far
-    _busy_s: float = 0.0  # seconds with a prompt prefill running, up to _since
-    _since: float | None = None  # since when one has run (None: none runs)
 
     @property
     def running(self) -> int:
         """Prefills of either kind running now."""
         return self.active + self.catching_up
 
-    def start(self, prefill: bool, now: float, catch_up: bool = False) -> tuple[int, bool, str | None]:
+    def start(self, prefill: bool, catch_up: bool = False) -> tuple[int, bool, str | None]:
         """A round begins (`prefill`: a prompt's first round; `catch_up`: its draft pool catches
         up); returns its mark."""
         kind = "prefill" if prefill else "catch_up" if catch_up else None
         mark = (self.events, self.running > 0, kind)
         if kind is not None:
             if prefill:
-                if self.active == 0:
-                    self._since = now
                 self.active += 1
             else:
                 self.catching_up += 1
             self.events += 1
         return mark
 
-    def end(self, mark: tuple[int, bool, str | None], now: float) -> None:
+    def end(self, mark: tuple[int, bool, str | None]) -> None:
         """The round of `mark` ended (however it ended)."""
         kind = mark[2]
         if kind is not None:
             if kind == "prefill":
                 self.active -= 1
-                if self.active == 0:
-                    self._busy_s += now - self._since
-                    self._since = None
             else:
                 self.catching_up -= 1
             self.events += 1
@@ -283,10 +271,6 @@ class PrefillWatch:
         start to now."""
         events, busy, kind = mark
         return kind is None and not busy and self.events == events
-
-    def busy_s(self, now: float) -> float:
-        """Seconds so far during which at least one prompt prefill ran."""
-        return self._busy_s + (now - self._since if self._since is not None else 0.0)
 
 
 def draft_catches_up(unseen: int, depth: int) -> bool:
@@ -643,15 +627,22 @@ class MeasuredModes:
     off rounds after the model shared the target's passes with the model's 4-token verifies and
     its draft pool's work: off measured 8.0 tok/s against the model's 9.0 where always off ran
     9% faster than always on). It measures exactly the rounds that began in its window, each
-    whole (at 16 streams here a round outlasts an epoch): their tokens over
-    their own seconds (less the prompt prefills they overlapped, which come with arrivals in
-    either mode; a round that spent over half its time so, or that is a request's first, is
-    not counted) x requests in flight, into the EMA of the mode at its level (log2 buckets of
-    requests in flight; a mode's first epochs there are averaged evenly, so its second
-    measurement weighs as much as its first). An epoch whose level changed, that did not close
-    within `max_epoch_s` (rounds hanging), or that kept under half the rounds it counted (the
-    rest failed or waited for prefills), measures nothing; the next epoch measures that mode again
-    unless the decision moved on.
+    whole (at 16 streams here a round outlasts an epoch): their tokens over their seconds x
+    requests in flight, into the EMA of the mode at its level (log2 buckets of requests in
+    flight; a mode's first epochs there are averaged evenly, so its second measurement weighs
+    as much as its first). A round that overlapped an arrival (a prompt's prefill, or a draft
+    pool's catch-up: PrefillWatch.clear) or that is a request's first is not counted, so both
+    modes are measured between arrivals: where requests come and go during a pass, an epoch at
+    a turnover measured its mode low whichever it was (code 4 streams, two requests per stream:
+    the model's epoch at the turnover, 1.2-7.0 s rounds for 1-5 tokens while four prompts
+    prefilled and their draft pools caught up, measured it 1.05x off where its mid-wave first
+    look had 1.24x, and the level ran off where always on ran 1.11x always off; taking only the
+    prefills' time out of such rounds left the slower passes they shared and the catch-ups in).
+    What arrivals cost the model beyond off (each new request's draft prefill) is priced by
+    `model_margin`, with the other costs of whole waves (see "Deciding"). An epoch whose level
+    changed, that did not close within `max_epoch_s` (rounds hanging), or that kept under half
+    the rounds it counted (the rest failed or overlapped arrivals), measures nothing; the next
+    epoch measures that mode again unless the decision moved on.
 
     Deciding. The model runs only where it measured more than `model_margin` (20%) above off;
     closer than that goes to off. Its epochs see a level in the middle of its load and leave out
@@ -813,20 +804,19 @@ class MeasuredModes:
             self._in_flight += in_flight
         return RoundTicket(self.current, self.epoch, counted)
 
-    def end(self, ticket: RoundTicket, tokens: int | None, seconds: float = 0.0, prefill_s: float = 0.0) -> None:
-        """The round of `ticket` ended, having emitted `tokens` in `seconds` of wall time, of
-        which it spent `prefill_s` waiting for other requests' prompt prefills (taken out: they
-        come with arrivals in either mode); tokens None: it failed. A round that waited for
-        prefills more than half its time measured them, not its mode, and is not counted."""
+    def end(self, ticket: RoundTicket, tokens: int | None, seconds: float = 0.0, overlapped: bool = False) -> None:
+        """The round of `ticket` ended, having emitted `tokens` in `seconds` of wall time; tokens
+        None: it failed. `overlapped`: a prompt prefill or a draft pool's catch-up ran during it
+        (its own included: not PrefillWatch.clear), so it measured an arrival, not its mode, and
+        is not counted (see the class docstring)."""
         self._running[ticket.mode] -= 1
         if ticket.counted and ticket.epoch == self.epoch:
             self._open -= 1
-            own_s = seconds - prefill_s
-            if tokens is not None and own_s > 0 and own_s >= seconds / 2:
+            if tokens is not None and seconds > 0 and not overlapped:
                 self._kept += 1
                 self._tokens += tokens
                 self._tokens_sq += tokens * tokens
-                self._seconds += own_s
+                self._seconds += seconds
 
     def _advance(self, now: float, level: int, in_flight: int, prefilling: bool, catching_up: bool) -> None:
         """Move the epochs on to `now`: end a warm-up, close a window, or close the epoch and
@@ -931,7 +921,7 @@ class MeasuredModes:
 
     def _close(self) -> bool:
         """Measure the epoch whose rounds all ended; returns whether it measured its mode: not
-        if most of its rounds failed or waited for prefills (the rest are too few to tell the
+        if most of its rounds failed or overlapped arrivals (the rest are too few to tell the
         mode's goodput from one round's acceptance: at code 16 streams the model's first look,
         its window opened while the wave's last prompts prefilled, kept 1 round of 16, 2 tokens
         in 2.7 s, and measured 11.8 tok/s where always on's steady state ran ~20)."""

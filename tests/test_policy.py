@@ -493,18 +493,34 @@ def test_a_switch_whose_other_mode_s_rounds_hang_measures_nothing():
     modes.end(stuck, None)
 
 
-def test_a_round_is_measured_over_its_own_time_and_not_at_all_where_prefills_took_most_of_it():
-    """Other requests' prompt prefills come with arrivals in either mode: a round's time spent
-    waiting for them is taken out, and a round that waited for them more than half its time
-    measured them, not its mode (counted as it was, a round in the opening wave's prefills kept
-    a sliver of its own time and gave off a huge rate)."""
+def test_a_round_that_overlapped_an_arrival_is_not_measured():
+    """Prompt prefills and draft pools' catch-ups come with arrivals, in either mode: a round
+    that overlapped one measured the arrival, not its mode (taking only the prefills' time out
+    of it left the slower passes it shared and the catch-ups in: at code 4 streams the model's
+    epoch at a wave's turnover measured it 1.05x off where its mid-wave first look had 1.24x)."""
     modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
     rounds = [modes.begin(t, 3) for t in (0.0, 0.1, 0.2)]
-    modes.end(rounds[0], 4, 3.0, prefill_s=1.0)  # 4 tokens in 2 s of its own
-    modes.end(rounds[1], 4, 3.0, prefill_s=2.9)  # waited 2.9 s of 3: left out
+    modes.end(rounds[0], 4, 2.0)
+    modes.end(rounds[1], 1, 6.0, overlapped=True)  # four prompts prefilled meanwhile: left out
     modes.end(rounds[2], 2, 1.0)
     assert modes.begin(1.0, 3).mode == "off"  # the window closed with all its rounds ended
     assert modes.levels[MeasuredModes.level(3)].model == pytest.approx((4 + 2) / (2.0 + 1.0) * 3)
+
+
+def test_epochs_at_a_turnover_measure_the_modes_as_between_arrivals():
+    """Both modes' epochs at the same level, each with some rounds at a wave's turnover (slow,
+    overlapping arrivals): the estimates are the rounds between arrivals', so the mode an
+    epoch at a turnover happened to run is not measured low."""
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
+    level = modes._measured(MeasuredModes.level(4))
+    for mode, tokens, turnover in (("model", 3, False), ("model", 3, True), ("off", 1, True)):
+        modes._start(0.0, MeasuredModes.level(4), 4, mode, False)
+        rounds = [modes.begin(0.1 * i, 4) for i in range(4)]
+        for i, r in enumerate(rounds):
+            slow = turnover and i == 0
+            modes.end(r, 1 if slow else tokens, 6.0 if slow else 1.0, overlapped=slow)
+        assert modes._close()
+    assert level.model == pytest.approx(3 * 4) and level.off == pytest.approx(4)
 
 
 def test_the_model_s_window_stays_open_until_its_tokens_a_round_are_known():
@@ -596,13 +612,13 @@ def test_an_epoch_that_kept_under_half_its_rounds_measures_nothing_and_the_mode_
     modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
     rounds = [modes.begin(t, 4) for t in (0.0, 0.1, 0.2, 0.3)]
     for r in rounds[:3]:
-        modes.end(r, 4, 3.0, prefill_s=2.9)  # waited for prefills: left out
+        modes.end(r, 4, 3.0, overlapped=True)  # overlapped the prefills: left out
     modes.end(rounds[3], 2, 2.7)
     again = modes.begin(3.5, 4)
     assert again.mode == "model" and again.counted  # measured nothing: the model again
     assert modes.levels[MeasuredModes.level(4)].model is None
     rest = [again] + [modes.begin(t, 4) for t in (3.6, 3.7, 3.8)]
-    modes.end(rest[0], 2, 3.0, prefill_s=2.9)  # one of four left out: 3 kept, measured
+    modes.end(rest[0], 2, 3.0, overlapped=True)  # one of four left out: 3 kept, measured
     for r in rest[1:]:
         modes.end(r, 4, 1.0)
     assert modes.begin(4.6, 4).mode == "off"
@@ -1030,32 +1046,21 @@ def test_rounds_that_overlap_a_prompt_prefill_are_not_learnt_as_round_overhead()
     began before it, during it, or was still running when it began) is not measured, and once
     every prefill has ended (an aborted one included) rounds are measured again."""
     watch = PrefillWatch()
-    first = watch.start(prefill=True, now=0.0)
+    first = watch.start(prefill=True)
     assert not watch.clear(first)  # a prefill round is never round overhead
-    during = watch.start(prefill=False, now=1.0)  # begins while the prefill runs
-    watch.end(first, now=2.0)
+    during = watch.start(prefill=False)  # begins while the prefill runs
+    watch.end(first)
     assert not watch.clear(during)
-    spanning = watch.start(prefill=False, now=3.0)
-    other = watch.start(prefill=True, now=3.5)  # a prefill begins and ends inside this round
-    watch.end(other, now=4.0)
+    spanning = watch.start(prefill=False)
+    other = watch.start(prefill=True)  # a prefill begins and ends inside this round
+    watch.end(other)
     assert not watch.clear(spanning)
-    after = watch.start(prefill=False, now=5.0)
-    watch.end(after, now=6.0)
+    after = watch.start(prefill=False)
+    watch.end(after)
     assert watch.clear(after)
-    aborted = watch.start(prefill=True, now=7.0)
-    watch.end(aborted, now=7.5)  # the router ends a round's mark however the round ended
-    assert watch.active == 0 and watch.clear(watch.start(prefill=False, now=8.0))
-    assert watch.busy_s(now=9.0) == pytest.approx(2.0 + 0.5 + 0.5)
-
-
-def test_prefill_time_is_counted_once_while_prefills_overlap():
-    watch = PrefillWatch()
-    a = watch.start(prefill=True, now=0.0)
-    b = watch.start(prefill=True, now=1.0)
-    assert watch.busy_s(now=1.5) == pytest.approx(1.5)  # one running counts as it goes
-    watch.end(a, now=2.0)
-    watch.end(b, now=3.0)
-    assert watch.busy_s(now=10.0) == pytest.approx(3.0)
+    aborted = watch.start(prefill=True)
+    watch.end(aborted)  # the router ends a round's mark however the round ended
+    assert watch.active == 0 and watch.clear(watch.start(prefill=False))
 
 
 def test_a_few_requests_are_left_to_the_model():
@@ -1418,18 +1423,17 @@ def test_an_exploration_that_measured_nothing_goes_on_then_backs_off():
 def test_a_draft_pools_catch_up_is_a_prefill_to_the_watch_but_no_prompt_prefill():
     """Catch-ups keep their rounds out of the overhead learnt, as prompt prefills do; they do
     not stop explorations or first measurements (`active` counts prompts only), which would
-    stop every exploration of the model by its own catch-ups, and they are not taken out of a
-    measured round's time (`busy_s`: prompts only): a new request's catch-up is a cost of
-    speculating, and a switch's catch-ups fall in the warm-up."""
+    stop every exploration of the model by its own catch-ups. A round that overlapped one is
+    not measured by MeasuredModes either (see test_a_round_that_overlapped_an_arrival_is_not_measured)."""
     from specserve.policy import draft_catches_up
 
     watch = PrefillWatch()
-    mine = watch.start(prefill=False, now=0.0)
-    catch_up = watch.start(prefill=False, now=1.0, catch_up=True)
+    mine = watch.start(prefill=False)
+    catch_up = watch.start(prefill=False, catch_up=True)
     assert (watch.active, watch.catching_up) == (0, 1) and not watch.clear(catch_up)
-    watch.end(catch_up, now=2.5)
-    assert not watch.clear(mine) and watch.busy_s(now=3.0) == 0.0
-    assert watch.clear(watch.start(prefill=False, now=3.0))
+    watch.end(catch_up)
+    assert not watch.clear(mine)
+    assert watch.clear(watch.start(prefill=False))
     assert [draft_catches_up(n, depth=4) for n in (1, 5, 10, 11, 300)] == [False, False, False, True, True]
 
 

@@ -246,13 +246,13 @@ class Router(GrpcApi):
         """Start the draft pool's catch-up on `state` in the background (RequestState.draft_sync_due)."""
         expected_s = self._expected_draft_s(state.draft_unseen, 1)
         request = state.sync_request()
-        mark = self.prefills.start(False, time.monotonic(), catch_up=True)
+        mark = self.prefills.start(False, catch_up=True)
 
         async def sync():
             try:
                 await self._propose(request, state.speculation.proposer, expected_s)
             finally:
-                self.prefills.end(mark, time.monotonic())
+                self.prefills.end(mark)
                 state.draft_syncing = False
                 await self._free_draft_if_released(state)
 
@@ -394,7 +394,6 @@ class Router(GrpcApi):
                           if state.adaptive else None)
                 mode = ticket.mode if ticket is not None else "model"
                 warming_up = ticket is not None and self.modes.warming_up
-                prompts_before = self.prefills.busy_s(round_start)
                 catch_up = state.draft_unseen
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off",
                                             measured_level=self.modes.measures(self.in_rounds))
@@ -403,7 +402,7 @@ class Router(GrpcApi):
                     self._sync_draft(state)
                 ahead = state.take_ahead()  # drafted during the last verify (speculation.draft_ahead)
                 draft_call = state.needs_proposer and state.speculation.draft_cost == "pool" and ahead is None
-                mark = self.prefills.start(prefill, round_start, catch_up=draft_call and draft_catches_up(
+                mark = self.prefills.start(prefill, catch_up=draft_call and draft_catches_up(
                     catch_up, state.speculation.depth))
                 if ahead is not None:
                     proposal = ahead
@@ -424,7 +423,7 @@ class Router(GrpcApi):
                         self._in_background(self._settle(state, drafting_ahead), context=contextvars.Context())
                     raise
                 round_end = time.monotonic()
-                self.prefills.end(mark, round_end)
+                self.prefills.end(mark)
                 round_mark, mark = mark, None
                 compute = result.compute_s + (proposal.compute_s if proposal is not None else 0.0)
                 wall = time.perf_counter() - started
@@ -432,8 +431,8 @@ class Router(GrpcApi):
                 # the policy's overhead: outside every pass the round spanned (this request's, and
                 # the other requests' passes it waited for), in rounds no prompt prefill overlapped
                 overhead = wall - compute * self.load.passes(self.load.batch_ema)
-                self._observe_load(result, proposal, draft_call,
-                                   overhead if self.prefills.clear(round_mark) else None)
+                clear = self.prefills.clear(round_mark)
+                self._observe_load(result, proposal, draft_call, overhead if clear else None)
                 prefill = False
                 if self.trace is not None:
                     self.trace.write(trace_line(state, decision, mode=mode, in_flight=self.in_rounds, load=self.load,
@@ -450,15 +449,14 @@ class Router(GrpcApi):
                 if drafting_ahead is not None:
                     state.keep_ahead(drafting_ahead.request, next_draft)
                 if ticket is not None:
-                    self.modes.end(ticket, len(emitted), round_end - round_start,
-                                   prefill_s=self.prefills.busy_s(round_end) - prompts_before)
+                    self.modes.end(ticket, len(emitted), round_end - round_start, overlapped=not clear)
                     ticket = None
                 self.metrics.round(state.speculation.proposer, counts, SpecCounts.of(state.stats))
                 state.finish_at_stop_string(self.codec.decode)
                 yield emitted
         finally:
             if mark is not None:  # the round ended early (an error, a deadline, a disconnect)
-                self.prefills.end(mark, time.monotonic())
+                self.prefills.end(mark)
             if ticket is not None:
                 self.modes.end(ticket, None)
             self.in_rounds -= 1
