@@ -837,12 +837,12 @@ def test_the_policy_trace_records_a_round_and_what_the_decision_came_from(tmp_pa
     for mode in ("model", "off"):
         trace.write(trace_line(state, decision, mode=mode, in_flight=3, load=load, catch_up=3,
                                k=state.round_k(), round_s=0.25, result=result, proposal=None,
-                               warming_up=mode == "model", counted=mode == "off", epoch=7,
+                               warming_up=mode == "model", counted=mode == "off", overlapped=mode == "off", epoch=7,
                                estimates={"model": 4.0, "off": None}, drafted_ahead=mode == "model",
                                ahead_wait_s=0.0123 if mode == "model" else None))
     lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
-    assert [(line["mode"], line["warming_up"], line["counted"], line["epoch"]) for line in lines] == \
-        [("model", True, False, 7), ("off", False, True, 7)]
+    assert [(line["mode"], line["warming_up"], line["counted"], line["overlapped"], line["epoch"])
+            for line in lines] == [("model", True, False, False, 7), ("off", False, True, True, 7)]
     assert lines[0]["estimates"] == {"model": 4.0, "off": None}
     first = lines[0]
     assert first["k"] == decision.k and first["reason"] == decision.reason == "warmup"

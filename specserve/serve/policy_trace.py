@@ -34,14 +34,15 @@ def _load(load: PoolLoad | None) -> dict | None:
 
 def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_flight: int, load: LoadModel,
                catch_up: int, k: int, round_s: float, result: VerifyResult, proposal: Proposal | None,
-               warming_up: bool = False, counted: bool = False, epoch: int | None = None,
+               warming_up: bool = False, counted: bool = False, overlapped: bool = False, epoch: int | None = None,
                estimates: dict | None = None, drafted_ahead: bool = False,
                ahead_wait_s: float | None = None) -> dict:
     """One round of `state` as the trace records it (`k`: the depth the round asked for, a cap
     the proposer may stop short of; `warming_up`: the round began in the warm-up of a switch to
     the model; `draft_syncing`: the draft pool catches up on the request in the background
-    (its rounds run target-only meanwhile); `counted`: its epoch (`epoch`, numbered) measures
-    it; `estimates`: each mode's goodput measured so far at this load, off's predicted from the
+    (its rounds run target-only meanwhile); `counted`: it began in its epoch's (`epoch`,
+    numbered) window; `overlapped`: a prompt prefill or a draft pool's catch-up ran during it,
+    so its epoch leaves it out; `estimates`: each mode's goodput measured so far at this load, off's predicted from the
     load model, and what a switch to the model would cost now; see MeasuredModes). Where a
     round's time went: `verify_s` and `draft_s`, the pools' own time on its verify and on its
     draft; `drafted_ahead`, its draft came from the last round's verify
@@ -54,7 +55,7 @@ def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_
 
     return {
         "t": round(time.time(), 3), "request": state.request_id[:12], "in_flight": in_flight, "mode": mode,
-        "epoch": epoch, "warming_up": warming_up, "counted": counted,
+        "epoch": epoch, "warming_up": warming_up, "counted": counted, "overlapped": overlapped,
         "estimates": {m: None if g is None else round(g, 3) for m, g in estimates.items()} if estimates else None,
         "k": k, "reason": decision.reason if decision else None,
         "goodput": {str(d): round(g, 3) for d, g in decision.goodput.items()} if decision else None,

@@ -439,6 +439,7 @@ class Router(GrpcApi):
                                                 catch_up=catch_up, k=state.round_k(), result=result, proposal=proposal,
                                                 round_s=wall, warming_up=warming_up,
                                                 counted=ticket is not None and ticket.counted,
+                                                overlapped=not clear,
                                                 epoch=ticket.epoch if ticket is not None else None,
                                                 estimates=self.modes.estimates(self.in_rounds),
                                                 drafted_ahead=ahead is not None,
