@@ -584,11 +584,13 @@ class _ModeGoodput:
     explore_every: int = 5  # epochs between explorations now
     next_explore: int = 5  # the epoch count at which the next exploration runs
     warm_up_s: float = 0.0  # how long the level's last switch to the model warmed up
-    explore_after: float = 0.0  # and no exploration before this time (MeasuredModes.explore_budget)
-    since: float | None = None  # when the level's first epoch began
+    # the level's own time: seconds during which it was the running epochs' level (the budget's
+    # clock; wall time spent at other levels in between does not count)
+    clock: float = 0.0
+    explore_after: float = 0.0  # and no exploration before this clock (MeasuredModes.explore_budget)
     seen: float | None = None  # when a round last began at the level
     warmed: bool = False  # a warm-up ran at the level (so its first look at the model is done)
-    switched_at: float | None = None  # when the level's last switch to the model warmed up
+    switched_at: float | None = None  # its clock when the level's last switch to the model warmed up
 
 
 @dataclass(frozen=True)
@@ -674,7 +676,11 @@ class MeasuredModes:
     catch-ups of every steered request past its first round). A wave of new requests costs
     nothing to switch (their draft pools prefill the prompts, as always on's do), so a new
     level looks at the model first; one reached in mid-wave runs off until the switch fits.
-    A first look warms up too while prompts prefill or catch-ups run or are owed (the new
+    A level's time is its own clock, the seconds it was the running epochs' level: a level
+    that a wave's start passed through in a second and its end reaches again has had a
+    second, not the wave's length (on wall time, at code 8 streams on an AVX-512 EPYC each
+    wave's end opened a first look at 3-5 requests in flight, its warm-up and catch-ups
+    included, where off ran at 6-11 and always off ran 1.21x always on). A first look warms up too while prompts prefill or catch-ups run or are owed (the new
     requests' draft prefills, which its epoch would measure as the model's; a request of a
     burst owes its prompt's until its second round), but is no switch: it takes nothing from
     the budget.
@@ -828,9 +834,12 @@ class MeasuredModes:
         stale = self.levels.get(level)
         if stale is not None and stale.seen is not None and now - stale.seen > self.stale_s:
             del self.levels[level]  # see "Forgetting"
-        self._measured(level).seen = now
+        measured = self._measured(level)
+        if measured.seen is not None and self._level == level:  # the level ran since its last round start
+            measured.clock += now - measured.seen
+        measured.seen = now
         if self._started is None or level != self._level:  # the load moved: the epoch measures nothing
-            self._start(now, level, in_flight, *self._next(level, prefilling, now), busy=prefilling or catching_up)
+            self._start(now, level, in_flight, *self._next(level, prefilling), busy=prefilling or catching_up)
             return
         elapsed = now - self._started
         if self.warming_up:
@@ -857,7 +866,7 @@ class MeasuredModes:
             return
         if not measured and self._exploring:  # given up: wait as after one that left the decision as it was
             self._back_off(self._measured(level), overturned=False)
-        self._start(now, level, in_flight, *self._next(level, prefilling, now), busy=prefilling or catching_up)
+        self._start(now, level, in_flight, *self._next(level, prefilling), busy=prefilling or catching_up)
 
     def _warmed_up(self, level: int, now: float, warm_up_s: float) -> None:
         """The model warmed up for `warm_up_s`. If it was a switch from off, the level's
@@ -867,14 +876,15 @@ class MeasuredModes:
         measured.warmed = True
         if not self._switching:
             return
-        measured.warm_up_s, measured.switched_at = warm_up_s, now
-        measured.explore_after = max(measured.explore_after, now + self._budget_wait(warm_up_s))
+        measured.warm_up_s, measured.switched_at = warm_up_s, measured.clock
+        measured.explore_after = max(measured.explore_after, measured.clock + self._budget_wait(warm_up_s))
 
-    def _switch_fits(self, measured: _ModeGoodput, now: float) -> bool:
+    def _switch_fits(self, measured: _ModeGoodput) -> bool:
         """Whether a switch to the model now keeps to `explore_budget` by its predicted cost
-        (`switch_cost_s`), counted from the level's last switch to the model (or its start)."""
-        last = measured.switched_at if measured.switched_at is not None else measured.since
-        return now - last >= self._budget_wait(self._switch_cost_s)
+        (`switch_cost_s`), counted on the level's own clock from its last switch to the model
+        (or its start)."""
+        last = measured.switched_at if measured.switched_at is not None else 0.0
+        return measured.clock - last >= self._budget_wait(self._switch_cost_s)
 
     def _budget_wait(self, switch_s: float) -> float:
         """How long a level runs without switching for a switch of `switch_s` to be
@@ -958,7 +968,7 @@ class MeasuredModes:
         leads = measured.model is not None and measured.model > measured.off * (1 + self.model_margin)
         return "model" if leads else "off"
 
-    def _next(self, level: int, prefilling: bool, now: float) -> tuple[str, bool]:
+    def _next(self, level: int, prefilling: bool) -> tuple[str, bool]:
         """The mode of the next epoch at `level`, and whether it explores (due by the epochs
         since the last, and by `explore_budget`). The level's first measurement of the model
         keeps to the budget by what the switch would cost now (`switch_cost_s`), so a wave of
@@ -967,10 +977,8 @@ class MeasuredModes:
         on requests that ran off exactly while the target prefills; the better mode so far
         runs."""
         measured = self._measured(level)
-        if measured.since is None:
-            measured.since = now
         if measured.model is None:  # its first measurement, once the switch fits the budget
-            return ("model" if self._switch_fits(measured, now) else "off"), False
+            return ("model" if self._switch_fits(measured) else "off"), False
         off_loses = self._off_clearly_loses(measured)
         if measured.off is None and not off_loses:  # a switch to off costs nothing: at once
             return "off", False
@@ -979,8 +987,9 @@ class MeasuredModes:
         # an exploration of the model keeps to the budget by the last switch's measured warm-up
         # (explore_after) and by what this one is predicted to cost: the requests in flight may
         # have far more to catch up now than at the last switch
-        if (not prefilling and measured.epochs >= measured.next_explore and now >= measured.explore_after
-                and (self._switch_fits(measured, now) if other == "model" else not off_loses)):
+        if (not prefilling and measured.epochs >= measured.next_explore
+                and measured.clock >= measured.explore_after
+                and (self._switch_fits(measured) if other == "model" else not off_loses)):
             return other, True
         return best, False
 

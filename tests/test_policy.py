@@ -415,7 +415,7 @@ def test_an_exploration_of_off_that_finds_a_tie_overturns_the_decision():
     modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
     level = MeasuredModes.level(4)
     modes.levels[level] = _ModeGoodput(model=10.0, off=8.2, epochs=5, measurements={"model": 5, "off": 5},
-                                       explore_every=10, next_explore=5, warmed=True, since=0.0, seen=0.0)
+                                       explore_every=10, next_explore=5, warmed=True, seen=0.0)
     now, rounds = 0.0, []
     while not rounds or modes.epoch == rounds[0].epoch:  # the exploration's epoch, to its close
         ticket = modes.begin(now, 4)
@@ -1344,6 +1344,37 @@ def test_a_level_s_first_measurement_of_the_model_waits_until_its_switch_fits_th
     for tokens in (8, 12, 8, 16):
         load.observe_draft(tokens, 0.3 + 0.001 * tokens)
     assert load.catch_up_s(2000) == pytest.approx(0.2 + 0.02 * 2000, rel=0.05)
+
+
+def test_a_level_s_budget_counts_only_the_time_it_ran():
+    """A wave's start passes through 3-5 requests in flight in moments and its end reaches them
+    again a wave later. On wall time that level's switch had long fitted the budget, so each
+    wave's end opened a first look at the model, its warm-up and catch-ups included (code at 8
+    streams on an AVX-512 EPYC, where off ran at 6-11 requests and always off ran 1.21x always
+    on). On the level's own clock it has run for moments: off, until the switch fits by the
+    time the level itself ran."""
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None, explore_budget=0.05)
+    low, high = MeasuredModes.level(4), MeasuredModes.level(8)
+    passing = modes.begin(0.0, 4, first_round=True)  # the wave's start at 4 requests ...
+    modes.end(passing, 1, 0.1)
+    modes.levels[high] = _ModeGoodput(model=20.0, off=30.0, epochs=5, measurements={"model": 2, "off": 3},
+                                      next_explore=1000, warmed=True)
+    t = 0.1
+    while t < 50.0:  # ... then a wave at 8 requests in flight, off (under stale_s: the level stays)
+        ticket = modes.begin(t, 8)
+        assert ticket.mode == "off"
+        modes.end(ticket, 1, 0.2)
+        t += 0.25
+    assert modes.levels[low].clock < 0.1
+    runs = []
+    while t < 110.0:  # its end at 4, whose requests ran off: a switch would cost 1 s of catch-ups
+        ticket = modes.begin(t, 4, switch_cost_s=1.0)
+        runs.append((t, ticket.mode))
+        modes.end(ticket, 1, 0.2)
+        t += 0.25
+    switched = next(t for t, mode in runs if mode == "model")
+    assert 50.0 + 19 * 1.0 <= switched < 50.0 + 19 * 1.0 + 5.0  # 1 s is 5% of the level's own 20 s
+    assert modes.levels[low].off is not None  # off measured meanwhile
 
 
 def test_an_exploration_of_the_model_also_waits_for_its_predicted_switch_to_fit_the_budget():
