@@ -680,10 +680,10 @@ class MeasuredModes:
     that a wave's start passed through in a second and its end reaches again has had a
     second, not the wave's length (on wall time, at code 8 streams on an AVX-512 EPYC each
     wave's end opened a first look at 3-5 requests in flight, its warm-up and catch-ups
-    included, where off ran at 6-11 and always off ran 1.21x always on). A first look warms up too while prompts prefill or catch-ups run or are owed (the new
-    requests' draft prefills, which its epoch would measure as the model's; a request of a
-    burst owes its prompt's until its second round), but is no switch: it takes nothing from
-    the budget.
+    included, where off ran at 6-11 and always off ran 1.21x always on). A first look warms
+    up too while prompts prefill or catch-ups run or are owed (the new requests' draft
+    prefills, which its epoch would measure as the model's; a request of a burst owes its
+    prompt's until its second round), but is no switch: it takes nothing from the budget.
 
     Forgetting. A level where no round began for `stale_s` is measured afresh when requests come
     back to it: what comes back need not be what left (on the bench, chat at 8 streams after
@@ -846,7 +846,7 @@ class MeasuredModes:
             # done once no catch-up runs (a first look: nor a prompt prefill, whose draft prefill follows)
             settled = not catching_up and (self._switching or not prefilling)
             if elapsed >= self.max_warm_up_epochs * self.epoch_s or (elapsed >= self.epoch_s and settled):
-                self._warmed_up(level, now, elapsed)
+                self._warmed_up(level, elapsed)
                 self._start(now, level, in_flight, "model", self._exploring, self._retries)  # now measure it
             return
         if self._settling:
@@ -868,7 +868,7 @@ class MeasuredModes:
             self._back_off(self._measured(level), overturned=False)
         self._start(now, level, in_flight, *self._next(level, prefilling), busy=prefilling or catching_up)
 
-    def _warmed_up(self, level: int, now: float, warm_up_s: float) -> None:
+    def _warmed_up(self, level: int, warm_up_s: float) -> None:
         """The model warmed up for `warm_up_s`. If it was a switch from off, the level's
         explorations wait until that is at most `explore_budget` of the time since; a first
         look's catch-ups are the new requests' prompts, which always on prefills too."""
