@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from specserve.engine.torch_worker import BLOCK_TOKENS, BOTH, LAYOUTS, ONE_ROW, ForwardItem, TorchWorker
+from specserve.engine.torch_worker import BLOCK_TOKENS, BOTH, LAYOUTS, MANY_ROWS, ONE_ROW, ForwardItem, TorchWorker
 from specserve.protocol import SpecserveError, TokenTree
 
 ATOL = 1e-5
@@ -366,6 +366,46 @@ def test_an_int8_linear_is_close_to_the_float_map_and_keeps_the_dtype():
     assert bf16(x.bfloat16()).dtype == torch.bfloat16
     fused = Linear.fused([torch.nn.Linear(48, 8), torch.nn.Linear(48, 4)], pack=False, quantize="int8")
     assert isinstance(fused, Int8Linear) and fused.sizes == [8, 4]
+
+
+def test_kernel_rows_keep_small_passes_and_bound_the_shapes_of_large_ones():
+    """oneDNN keeps memory per row count it ran, so a replica's linears must see few of them."""
+    import doctest
+
+    from specserve.engine import kernel_rows as module
+    from specserve.engine.kernel_rows import EXACT_ROWS, kernel_rows
+
+    assert doctest.testmod(module).failed == 0
+    assert [kernel_rows(n) for n in range(1, EXACT_ROWS + 1)] == list(range(1, EXACT_ROWS + 1))
+    padded = [kernel_rows(n) for n in range(1, 8193)]
+    assert all(n <= p <= n * 17 / 16 for n, p in zip(range(1, 8193), padded))  # at most 1/16 more rows
+    assert padded == sorted(padded) and len(set(padded)) == 176  # 64 exact, then 16 per doubling
+    assert all(kernel_rows(p) == p for p in set(padded))  # a padded size is its own size
+
+
+def test_linears_of_many_rows_run_padded_and_return_each_row_unchanged():
+    from specserve.engine.greedy_screen import linear_dynamic, prepack, quantize_rows
+    from specserve.engine.kernel_rows import kernel_rows, run_padded
+    from specserve.engine.torch_worker import Int8Linear, Linear, can_prepack
+
+    seen = []
+    x = torch.randn(65, 8)
+    out = run_padded(lambda rows: seen.append(rows.shape[0]) or rows * 2, x)
+    assert seen == [kernel_rows(65)] == [68] and torch.equal(out, x * 2)  # padded, then cut back
+
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(40, 32, generator=gen), torch.randn(40, generator=gen)
+    linear = Linear(weight, bias, pack=can_prepack(torch.device("cpu"), torch.float32), layout=MANY_ROWS)
+    int8 = Int8Linear(weight, bias)
+    packed = prepack(quantize_rows(weight), bias)
+    for rows in (65, 100, 129, 300):
+        x = torch.randn(rows, 32, generator=gen)
+        assert linear(x).shape == (rows, 40)
+        assert torch.allclose(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5)
+        # int8: zero rows leave the per-pass quantization as it was (its range holds 0)
+        unpadded = torch.ops.quantized.linear_dynamic(x, packed, True)
+        assert torch.allclose(linear_dynamic(x, packed), unpadded, atol=1e-5)
+        assert int8(x).shape == (rows, 40)
 
 
 def test_a_worker_refuses_an_unknown_quantization(model):

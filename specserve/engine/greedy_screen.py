@@ -27,6 +27,8 @@ import warnings
 
 import torch
 
+from specserve.engine.kernel_rows import run_padded
+
 QMAX = 127  # reduce_range: 7-bit activations (AVX2's 16-bit pairwise sums cannot saturate)
 ROUNDING_SLACK = 1e-3  # an element this close to a rounding boundary may round either way in the kernel
 RELATIVE_SLACK = 1e-5  # the kernel's float epilogue (int32 -> float, scales) and our own sums
@@ -50,8 +52,10 @@ def prepack(qweight: torch.Tensor, bias: torch.Tensor | None):
 
 
 def linear_dynamic(x: torch.Tensor, packed) -> torch.Tensor:
-    """x [n, in] float32 through a prepacked int8 weight, activations quantized to 7 bits."""
-    return torch.ops.quantized.linear_dynamic(x, packed, True)
+    """x [n, in] float32 through a prepacked int8 weight, activations quantized to 7 bits. Many
+    rows run padded with zero rows (kernel_rows), which leaves the quantization unchanged: its
+    range always holds 0."""
+    return run_padded(lambda rows: torch.ops.quantized.linear_dynamic(rows, packed, True), x)
 
 
 def quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import record_function
 
 from specserve.engine.greedy_screen import GreedyScreen, linear_dynamic, prepack, quantize_rows
+from specserve.engine.kernel_rows import run_padded
 from specserve.protocol import SpecserveError, TokenTree
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -190,7 +191,7 @@ class Linear:
             return F.linear(x, self.weight, self.bias)
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # the worker's passes are 2-D already
         weight = self.weight if flat.shape[0] == 1 else self.many_rows_weight
-        out = torch.ops.mkldnn._linear_pointwise(flat, weight, self.bias, "none", [], "")
+        out = run_padded(lambda rows: torch.ops.mkldnn._linear_pointwise(rows, weight, self.bias, "none", [], ""), flat)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
