@@ -9,8 +9,8 @@ continuations (a new row count at most passes, each prompt's prefill riding alon
 decode rows) grew the trainer to 24 GB. Passes of up to EXACT_ROWS rows (decode steps, chain and
 tree verifies of a few requests) keep their size; larger ones are padded with zero rows to 16
 sizes per doubling, at most 1/16 more rows, so a replica sees at most 64 + 16 per doubling
-shapes per weight (176 up to 8192 rows). Padding leaves a float32 row's result bitwise unchanged
-(tested); in bfloat16 oneDNN's blocking already changes a row's rounding with the pass's size.
+shapes per weight (176 up to 8192 rows). Padding left float32 rows bitwise unchanged (measured
+on a Xeon with AMX); in bfloat16 oneDNN's blocking already changes a row's rounding with the pass's size.
 """
 
 from __future__ import annotations
