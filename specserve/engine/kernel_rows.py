@@ -5,8 +5,8 @@ row count (measured on torch 2.13's prepacked bf16 and float32 linears and its x
 linear), and never gives it back: a cap on its primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY)
 bounds only part of it. A replica's pass sizes change with every prompt length and batch, so
 without a bound its memory grows for as long as it serves: generating 120k tokens of training
-continuations (a new row count at most passes, each prompt's prefill riding along with the
-decode rows) grew the trainer to 24 GB. Passes of up to EXACT_ROWS rows (decode steps, chain and
+continuations (each new prompt's prefill rides along with the others' decode rows, so prompt
+lengths become row counts) grew the trainer to 24 GB. Passes of up to EXACT_ROWS rows (decode steps, chain and
 tree verifies of a few requests) keep their size; larger ones are padded with zero rows to 16
 sizes per doubling, at most 1/16 more rows, so a replica sees at most 64 + 16 per doubling
 shapes per weight (176 up to 8192 rows). Padding left float32 rows bitwise unchanged (measured
