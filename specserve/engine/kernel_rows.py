@@ -6,11 +6,12 @@ linear), and never gives it back: a cap on its primitive cache (ONEDNN_PRIMITIVE
 bounds only part of it. A replica's pass sizes change with every prompt length and batch, so
 without a bound its memory grows for as long as it serves: generating 120k tokens of training
 continuations (each new prompt's prefill rides along with the others' decode rows, so prompt
-lengths become row counts) grew the trainer to 24 GB. Passes of up to EXACT_ROWS rows (decode steps, chain and
-tree verifies of a few requests) keep their size; larger ones are padded with zero rows to 16
-sizes per doubling, at most 1/16 more rows, so a replica sees at most 64 + 16 per doubling
-shapes per weight (176 up to 8192 rows). Padding left float32 rows bitwise unchanged (measured
-on a Xeon with AMX); in bfloat16 oneDNN's blocking already changes a row's rounding with the pass's size.
+lengths become row counts) grew the trainer to 24 GB. Passes of up to EXACT_ROWS rows (decode
+steps, chain and tree verifies of a few requests) keep their size; larger ones are padded with
+zero rows to 16 sizes per doubling, at most 1/16 more rows, so a replica sees at most 64 + 16 per
+doubling shapes per weight (176 up to 8192 rows). Padding left float32 rows bitwise unchanged
+(measured on a Xeon with AMX); in bfloat16 oneDNN's blocking already changes a row's rounding
+with the pass's size.
 """
 
 from __future__ import annotations
@@ -26,15 +27,14 @@ SIZES_PER_DOUBLING = 16
 
 def kernel_rows(rows: int) -> int:
     """The row count a pass of `rows` rows runs at: itself up to EXACT_ROWS, else rounded up
-    to a multiple of 2**(bits - 5), one of 16 sizes per doubling.
+    to a multiple of 1/16 of the largest power of two not above it: 16 sizes per doubling.
 
     >>> [kernel_rows(n) for n in (1, 64, 65, 127, 128, 129, 300, 1000)]
     [1, 64, 68, 128, 128, 136, 304, 1024]
     """
     if rows <= EXACT_ROWS:
         return rows
-    octave = rows.bit_length() - 1  # 2**octave <= rows
-    step = 1 << max(0, octave - (SIZES_PER_DOUBLING.bit_length() - 1))  # 2**octave / 16
+    step = (1 << (rows.bit_length() - 1)) // SIZES_PER_DOUBLING  # the power of two <= rows, / 16
     return -(-rows // step) * step
 
 
