@@ -284,31 +284,6 @@ def draft_catches_up(unseen: int, depth: int) -> bool:
     return unseen > 2 * (depth + 1)
 
 
-def speculates_at_arrival(mode: str, *, first_round: bool, prompts_prefilling: int) -> bool:
-    """Whether a round of an epoch that runs speculation off (MeasuredModes) speculates anyway:
-    it is not the request's first (which prefills its own prompt and drafts nothing) and other
-    requests' prompts prefill now (`prompts_prefilling`).
-
-    Why: the target's passes during a prompt prefill are long whatever the others do, and the
-    few verified tokens a speculating request adds ride in them; the epochs cannot see that,
-    since they leave every round that overlapped an arrival out of both modes. At code 8
-    streams (256-token answers, a 2-core CPU) off's rounds there waited ~2.6 s for one token,
-    always on's ~1.8 s for three: off spent 17% of its request-seconds there for 2% of its
-    tokens, and always on beat always off by 1.07x while adaptive, off 98% of its rounds
-    (between arrivals the modes tied), lost 8% (docs/bench/adaptive-history.md, item 23). A
-    request whose draft pool is behind catches up in the background first, as in the model's
-    epochs (RequestState.draft_sync_due).
-
-        >>> speculates_at_arrival("off", first_round=False, prompts_prefilling=1)
-        True
-        >>> speculates_at_arrival("off", first_round=True, prompts_prefilling=3)  # it prefills its own
-        False
-        >>> speculates_at_arrival("off", first_round=False, prompts_prefilling=0)
-        False
-    """
-    return mode == "off" and not first_round and prompts_prefilling > 0
-
-
 def switch_catch_up_tokens(requests: Iterable[tuple[int, int]]) -> int:
     """The tokens draft pools must prefill to switch these requests to speculating, from each
     one's (unseen tokens, depth): the requests whose unseen text is a catch-up
@@ -469,8 +444,8 @@ class Decision:
     k: int
     goodput: dict[int, float]  # tokens per second per candidate k (the model's view)
     # "warmup" (the configured depth; off where no depth wins) | "model" | "probe" (one level
-    # deeper, to measure it) | "measured" (the router's epochs set it: off, or the whole depth)
-    # | "arrival" (speculating while another request's prompt prefills: speculates_at_arrival)
+    # deeper, to measure it) | "measured" (off: the router measured that, at this load, no
+    # speculation gives more)
     reason: str
 
 

@@ -227,16 +227,13 @@ class RequestState:
         return self.speculation.adaptive and not self.pinned_depth
 
     def plan_round(self, policy: SpeculationPolicy, load: LoadModel, batch: float | None = None,
-                   measured_off: bool = False, measured_level: bool = False,
-                   at_arrival: bool = False) -> Decision | None:
+                   measured_off: bool = False, measured_level: bool = False) -> Decision | None:
         """Adaptive speculation: let the policy set this round's depth (0 = off) from the
         request's acceptance and the pools' load. `measured_level`: at this load the router's
         measured epochs (MeasuredModes) decide whether requests speculate, so the model does not
         probe from off, and a request with a draft pool drafts its whole configured depth (see
-        below); `measured_off`: this epoch runs speculation off; `at_arrival`: this round begins
-        while another request's prompt prefills, so it speculates as in the model's epochs even
-        where the epoch runs off (speculates_at_arrival; reason "arrival"). Fixed speculation:
-        nothing to decide.
+        below); `measured_off`: this epoch runs speculation off. Fixed speculation: nothing to
+        decide.
 
         Why the whole depth there, for every request with a draft pool: the epochs then compare
         exactly always on against always off, both measured. Requests of one epoch that each
@@ -257,10 +254,10 @@ class RequestState:
         if self.acceptance is None:
             self.acceptance = policy.tracker(f"{spec.proposer}/{spec.shape}", spec.depth)
         current = spec.depth if self.policy_k is None else self.policy_k
-        if measured_off and not at_arrival:
+        if measured_off:
             decision = Decision(0, {}, "measured")
-        elif (measured_level or at_arrival) and spec.draft_cost == "pool":
-            decision = Decision(spec.depth, {}, "arrival" if at_arrival else "measured")
+        elif measured_level and spec.draft_cost == "pool":
+            decision = Decision(spec.depth, {}, "measured")
         else:
             decision = policy.choose(self.acceptance, load, current=current, max_k=spec.depth, batch=batch,
                                      draft_cost=spec.draft_cost, catch_up=self.draft_unseen,

@@ -13,8 +13,7 @@ import random
 import pytest
 
 from specserve.policy import (AcceptanceTracker, LoadModel, MeasuredModes, PolicyConfig, PrefillWatch,
-                              SpeculationPolicy, StepTimeModel, _ModeGoodput, speculates_at_arrival,
-                              switch_catch_up_tokens)
+                              SpeculationPolicy, StepTimeModel, _ModeGoodput, switch_catch_up_tokens)
 from specserve.protocol import SamplingParams, Speculation, TokenTree, VerifyResult
 from specserve.request_state import RequestState
 
@@ -273,9 +272,8 @@ def test_a_new_request_warms_up_at_its_configured_depth_unless_that_loses_at_thi
     assert saturated.goodput[0] == max(saturated.goodput.values())
 
 
-def _state(spec: Speculation, prefill_without_draft: bool = False) -> RequestState:
-    return RequestState("r", [1, 2, 3], SamplingParams(max_tokens=100), spec,
-                        prefill_without_draft=prefill_without_draft)
+def _state(spec: Speculation) -> RequestState:
+    return RequestState("r", [1, 2, 3], SamplingParams(max_tokens=100), spec)
 
 
 def test_an_explicit_setting_wins_over_the_policy():
@@ -723,35 +721,6 @@ def test_where_epochs_measure_the_modes_a_draft_pool_request_drafts_its_whole_de
         else:
             assert (decision.k, decision.reason) == (4, "measured")
         assert state.plan_round(policy, load, batch=64, measured_off=True, measured_level=True).k == 0
-
-
-def test_an_off_epoch_s_round_speculates_while_another_request_s_prompt_prefills():
-    """Where the epochs run off, a round that begins while another request's prompt prefills
-    drafts the whole depth (the target's passes are long then, and the verified tokens ride in
-    them: speculates_at_arrival); its own first round does not, nor a round between arrivals,
-    nor a request with an explicit setting. One whose draft pool is behind catches up in the
-    background first, its round running target-only, as in the model's epochs."""
-    assert speculates_at_arrival("off", first_round=False, prompts_prefilling=2)
-    assert not speculates_at_arrival("off", first_round=True, prompts_prefilling=2)  # it prefills its own
-    assert not speculates_at_arrival("off", first_round=False, prompts_prefilling=0)
-    assert not speculates_at_arrival("model", first_round=False, prompts_prefilling=2)  # the model decides
-    policy, load = SpeculationPolicy(), loaded_model(random.Random(5))
-    state = _state(Speculation(proposer="draft", k=4, policy="adaptive"), prefill_without_draft=True)
-    state.acceptance = measured(0.3)
-    state.output_ids = [1] * 12  # emitted while off: the draft pool never saw them
-    state.draft_synced = len(state.token_ids) - 12
-    decision = state.plan_round(policy, load, batch=64, measured_off=True, measured_level=True, at_arrival=True)
-    assert (decision.k, decision.reason) == (4, "arrival")
-    assert state.draft_sync_due(others_prefilling=True) and state.round_k() == 4
-    state.sync_request()  # the router starts the catch-up: this round runs target-only
-    assert state.round_k() == 0
-    state.draft_syncing = False  # caught up
-    assert state.plan_round(policy, load, batch=64, measured_off=True, measured_level=True, at_arrival=True).k == 4
-    assert state.round_k() == 4 and not state.draft_sync_due(others_prefilling=True)
-    assert state.plan_round(policy, load, batch=64, measured_off=True, measured_level=True).k == 0  # between arrivals
-    fixed = _state(Speculation(proposer="draft", k=2))
-    assert fixed.plan_round(policy, load, batch=64, measured_off=True, at_arrival=True) is None
-    assert fixed.round_k() == 2
 
 
 def test_a_request_turned_off_by_an_unlucky_estimate_comes_back():

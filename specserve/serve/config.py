@@ -209,10 +209,6 @@ class SpeculationArgs(_Strict):
                                       "levels, whichever the measured acceptance and pool load say is fastest) "
                                       "| fixed (k levels every round)")
     ngram: NgramArgs = Field(default_factory=NgramArgs)
-    speculate_at_arrivals: bool = Field(
-        True, description="policy adaptive: where the router's measured epochs run speculation off, a round "
-        "that begins while another request's prompt prefills speculates anyway (the target's passes are long "
-        "then and the verified tokens ride in them; docs/bench/adaptive-history.md, item 24)")
     draft_min_confidence: float = Field(0.5, ge=0, le=1)
     draft_top_m: int = Field(256, ge=1)
     # A draft pool silent this long (no reply to any call) beyond a call's expected time, and then

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specserve.engine import adapt_speculation, sampling_refusal
 from specserve.pipeline import StreamedDraft
 from specserve.policy import (LoadModel, MeasuredModes, PrefillWatch, SpeculationPolicy, draft_catches_up,
-                              speculates_at_arrival, switch_catch_up_tokens)
+                              switch_catch_up_tokens)
 from specserve.protocol import (
     DETERMINISTIC, DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, TokenTree,
     VerifyRequest, VerifyResult,
@@ -396,9 +396,7 @@ class Router(GrpcApi):
                 warming_up = ticket is not None and self.modes.warming_up
                 catch_up = state.draft_unseen
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off",
-                                            measured_level=self.modes.measures(self.in_rounds),
-                                            at_arrival=self.spec.speculate_at_arrivals and speculates_at_arrival(
-                                                mode, first_round=prefill, prompts_prefilling=self.prefills.active))
+                                            measured_level=self.modes.measures(self.in_rounds))
                 # the draft pool catches up meanwhile: this round runs target-only
                 if state.draft_sync_due(others_prefilling=self.prefills.active > 0):
                     self._sync_draft(state)
