@@ -139,6 +139,10 @@ bench-speculative: models vllm-env
 bench-adaptive: models
 	$(VENV)/bin/specserve bench --preset adaptive --out bench-results/adaptive
 
+# The load-aware policy's own cost per round, against the target's decode step (about a minute).
+bench-policy: models
+	$(VENV)/bin/python -m specserve.benchmarks.policy_cost
+
 # Smoke run of everything: 1 prompt, 8 tokens, one pass, vLLM eager only (a few minutes).
 bench-quick: models
 	$(VENV)/bin/specserve bench --quick

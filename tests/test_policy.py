@@ -1502,3 +1502,20 @@ def test_background_catch_up_is_left_out_where_it_would_change_what_runs():
     last = RequestState("r", prompt, SamplingParams(max_tokens=1), Speculation(proposer="draft", k=4),
                         prefill_without_draft=True)
     assert not last.draft_sync_due()  # one token left: it will never draft
+
+
+def test_the_policy_cost_bench_times_every_method_and_load_and_reports_the_largest_share(capsys):
+    """`make bench-policy`'s table: one row per method and requests in flight, each a policy
+    cost per round as a share of the given target step, and the largest share printed last."""
+    from specserve.benchmarks import policy_cost
+
+    assert policy_cost.main(["--step-ms", "100", "--rounds", "60"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "µs" in line]
+    assert len(rows) == len(policy_cost.METHODS) * len(policy_cost.STREAMS)
+    shares = [float(row.split("|")[4].strip().rstrip("%")) for row in rows]
+    assert all(share > 0 for share in shares)
+    assert f"largest share: {max(shares):.3f}%" in out
+    seconds, speculated = policy_cost.policy_seconds_per_round(policy_cost.METHODS["draft chain k=4"], 8, 60,
+                                                               random.Random(1))
+    assert seconds > 0 and 0 < speculated <= 1
