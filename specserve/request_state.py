@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import random
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from specserve.policy import AcceptanceTracker, Decision, LoadModel, SpeculationPolicy, draft_catches_up
+from specserve.policy import (AcceptanceTracker, Decision, LoadModel, SpeculationPolicy, draft_catches_up,
+                              switch_catch_up_tokens)
 from specserve.protocol import (
     DraftShape, Proposal, ProposeRequest, SamplingParams, Speculation, SpecserveError, TokenTree, VerifyRequest,
     VerifyResult,
@@ -438,3 +440,20 @@ class RequestState:
         self.finish_reason = "stop"
         self.stop_text = text[:cut]
         return self.stop_text
+
+
+def catch_up_owed(states: Iterable[RequestState]) -> bool:
+    """Whether any of these requests owes its draft pool a catch-up that its next drafting
+    round starts (RequestState.draft_catch_up_owed)."""
+    return any(state.draft_catch_up_owed() for state in states)
+
+
+def switch_cost_s(load: LoadModel, states: Iterable[RequestState]) -> float:
+    """What switching these requests to the model would cost now: their draft pools'
+    catch-ups (LoadModel.catch_up_s of switch_catch_up_tokens), summed over every one of
+    them, so that it does not depend on which request's round begins an epoch. A request
+    still in its first round adds nothing: its draft pool prefills its prompt alongside the
+    target's prefill, what speculating costs at all (always on pays it too)."""
+    return load.catch_up_s(switch_catch_up_tokens(
+        (state.draft_unseen, state.speculation.depth) for state in states
+        if state.speculation.draft_cost == "pool" and state.stats.target_steps > 0))

@@ -4,8 +4,8 @@
     python -m specserve.benchmarks.policy_cost --step-ms 100
 
 Per round of one request the router runs, for the policy alone: `MeasuredModes.begin` (with
-the switch cost and the catch-ups owed, both summed over every steered request, and off's
-predicted goodput), `RequestState.plan_round` (the per-request model: `SpeculationPolicy.choose`
+the switch cost and the catch-ups owed over every steered request, by the functions the router
+calls, `switch_cost_s` and `catch_up_owed`, and off's predicted goodput), `RequestState.plan_round` (the per-request model: `SpeculationPolicy.choose`
 where the epochs do not decide), the load model's updates from the pools' replies, the
 request's acceptance update, and `MeasuredModes.end`. This times exactly those calls on the
 real objects, with N requests in flight, and the target's step as specserve's own torch engine
@@ -20,9 +20,9 @@ import random
 import sys
 import time
 
-from specserve.policy import LoadModel, MeasuredModes, SpeculationPolicy, _ModeGoodput, switch_catch_up_tokens
+from specserve.policy import LoadModel, MeasuredModes, SpeculationPolicy, _ModeGoodput
 from specserve.protocol import SamplingParams, Speculation, TreeSpec
-from specserve.request_state import RequestState
+from specserve.request_state import RequestState, catch_up_owed, switch_cost_s
 
 STREAMS = (1, 4, 8, 16, 64)
 METHODS = {
@@ -47,6 +47,7 @@ def policy_seconds_per_round(spec: Speculation, streams: int, rounds: int, rng: 
                            prefill_without_draft=True) for i in range(streams)]
     for state in states:  # past their first round, the draft pool synced up to a few tokens ago
         state.output_ids = [7] * 20
+        state.stats.target_steps = 1
         state.draft_synced = len(state.token_ids) - rng.randint(1, 12)
     now = 0.0
     elapsed = 0.0
@@ -56,11 +57,8 @@ def policy_seconds_per_round(spec: Speculation, streams: int, rounds: int, rng: 
         step_s = 0.1 + 0.003 * streams * (1 + rng.random() * 0.1)
         started = time.perf_counter()
         # the router's calls, in its order (serve/router.py `_rounds`)
-        switch_s = load.catch_up_s(switch_catch_up_tokens(
-            (s.draft_unseen, s.speculation.depth) for s in states if s.speculation.draft_cost == "pool"))
-        catching_up = any(s.draft_catch_up_owed() for s in states)
-        ticket = modes.begin(now, streams, prefilling=False, catching_up=catching_up, first_round=False,
-                             switch_cost_s=switch_s, off_predicted=load.off_goodput())
+        ticket = modes.begin(now, streams, prefilling=False, catching_up=catch_up_owed(states), first_round=False,
+                             switch_cost_s=switch_cost_s(load, states), off_predicted=load.off_goodput())
         state.plan_round(policy, load, measured_off=ticket.mode == "off", measured_level=modes.measures(streams))
         k = state.round_k()
         speculated += k > 0

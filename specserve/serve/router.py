@@ -36,14 +36,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.engine import adapt_speculation, sampling_refusal
 from specserve.pipeline import StreamedDraft
-from specserve.policy import (LoadModel, MeasuredModes, PrefillWatch, SpeculationPolicy, draft_catches_up,
-                              switch_catch_up_tokens)
+from specserve.policy import LoadModel, MeasuredModes, PrefillWatch, SpeculationPolicy, draft_catches_up
 from specserve.protocol import (
     DETERMINISTIC, DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, TokenTree,
     VerifyRequest, VerifyResult,
 )
 from specserve.proposers.ngram import NgramProposer
-from specserve.request_state import RequestState
+from specserve.request_state import RequestState, catch_up_owed, switch_cost_s
 from specserve.serve.access import ApiKeys
 from specserve.serve.config import AppArgs
 from specserve.serve.generation import (
@@ -296,17 +295,7 @@ class Router(GrpcApi):
         and second rounds, and measured the other requests' draft calls queued behind that
         catch-up (rounds of 3.3 s against ~1.5): 5.6 tok/s against off's 6.3, where always on
         ran 12% faster than always off; off then held most of the run."""
-        return self.prefills.catching_up > 0 or any(s.draft_catch_up_owed() for s in self.steered.values())
-
-    def _switch_cost_s(self) -> float:
-        """What switching the steered requests to the model would cost now: their draft pools'
-        catch-ups (LoadModel.catch_up_s of switch_catch_up_tokens), summed over every one of
-        them, so that it does not depend on which request's round begins an epoch. A request
-        still in its first round adds nothing: its draft pool prefills its prompt alongside the
-        target's prefill, what speculating costs at all (always on pays it too)."""
-        return self.load.catch_up_s(switch_catch_up_tokens(
-            (state.draft_unseen, state.speculation.depth) for state in self.steered.values()
-            if state.speculation.draft_cost == "pool" and state.stats.target_steps > 0))
+        return self.prefills.catching_up > 0 or catch_up_owed(self.steered.values())
 
     def _expected_draft_s(self, catch_up: int, k: int) -> float:
         """What a draft call should take: its catch-up prefill and k steps at the draft pool's
@@ -389,7 +378,7 @@ class Router(GrpcApi):
                 # only requests the policy steers take part in (and are measured by) its epochs
                 ticket = (self.modes.begin(round_start, self.in_rounds, prefilling=self.prefills.active > 0 or prefill,
                                            catching_up=self._catching_up(), first_round=prefill,
-                                           switch_cost_s=self._switch_cost_s(),
+                                           switch_cost_s=switch_cost_s(self.load, self.steered.values()),
                                            off_predicted=self.load.off_goodput())
                           if state.adaptive else None)
                 mode = ticket.mode if ticket is not None else "model"
