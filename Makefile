@@ -8,7 +8,7 @@ DEFAULT_MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # Ray 2.60 turns token auth on by default; a local single-user cluster does not need it.
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup models heads heads-hydra heads-redrafter serve serve-vllm generate test test-vllm test-fast test-faults bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-methods bench-hydra replay-heads bench-speculative bench-adaptive bench-quick bench-full vllm-env kuberay clean
+.PHONY: setup models heads heads-hydra heads-redrafter serve serve-vllm generate test test-vllm test-fast test-faults bench bench-vllm bench-batch bench-medusa bench-http bench-ngram bench-methods bench-hydra replay-heads bench-speculative bench-adaptive bench-policy bench-cluster-tax bench-quick bench-full vllm-env kuberay clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -142,6 +142,11 @@ bench-adaptive: models
 # The load-aware policy's own cost per round, against the target's decode step (about a minute).
 bench-policy: models
 	$(VENV)/bin/python -m specserve.benchmarks.policy_cost
+
+# What an idle Ray cluster on this machine (`make serve` in another shell) costs a decode: the
+# target decoded here with the cluster running and paused, in turns (about 3 minutes).
+bench-cluster-tax: models
+	$(VENV)/bin/python -m specserve.benchmarks.cluster_tax
 
 # Smoke run of everything: 1 prompt, 8 tokens, one pass, vLLM eager only (a few minutes).
 bench-quick: models

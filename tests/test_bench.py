@@ -733,3 +733,49 @@ def test_a_static_tree_is_named_by_its_shape_name_or_node_count():
     assert variant_name("draft", {"tree": {"shape": [[0], [1], [0, 0]]}}) == "specserve draft shape=3-node"
     hydra = [variant_name(m, o) for m, o in PRESETS["hydra"]["variants"]]
     assert {"specserve medusa shape=tree shape=mc_sim_7b_63", "specserve hydra shape=tree shape=mc_sim_7b_63"} <= set(hydra)
+
+
+def test_the_cluster_tax_bench_pauses_the_processes_only_in_its_paused_turns_and_always_resumes_them(tiny_pair):
+    """`make bench-cluster-tax`: decodes alternate between the given processes running and
+    paused (A B, B A, ...), the processes run again after each paused decode, also one that
+    raised, and the table reports each turn's ratio and their median."""
+    import subprocess
+
+    import psutil
+
+    from specserve.benchmarks import cluster_tax
+
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        process = psutil.Process(child.pid)
+        decode_tiny = cluster_tax.decoder_of(str(tiny_pair["target"]), "float32", 1, 4)
+        seen = []
+
+        def decode() -> float:
+            seen.append(process.status())
+            assert decode_tiny() > 0  # the real decoder runs
+            return 4.0 if seen[-1] == psutil.STATUS_STOPPED else 3.0
+
+        lines = []
+        pairs = cluster_tax.measure(decode, [child.pid], 3, report=lines.append)
+        assert pairs == [(3.0, 4.0)] * 3
+        assert [s == psutil.STATUS_STOPPED for s in seen] == [False, True, True, False, False, True]
+        assert len(lines) == 6 and lines[1] == "turn 1/3: cluster paused: 4.000 tok/s"
+        assert process.status() != psutil.STATUS_STOPPED
+        with pytest.raises(RuntimeError), cluster_tax.paused([child.pid]):
+            assert process.status() == psutil.STATUS_STOPPED
+            raise RuntimeError("a decode that failed")
+        assert process.status() != psutil.STATUS_STOPPED
+        assert "median paused / running: 1.333x" in cluster_tax.summary(pairs)
+        assert child.pid not in cluster_tax.ray_processes()  # `sleep` is not one of Ray's
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_cluster_tax_module_s_examples_hold():
+    import doctest
+
+    from specserve.benchmarks import cluster_tax
+
+    assert doctest.testmod(cluster_tax).failed == 0
