@@ -144,7 +144,7 @@ bench-policy: models
 	$(VENV)/bin/python -m specserve.benchmarks.policy_cost
 
 # What an idle Ray cluster on this machine (`make serve` in another shell) costs a decode: the
-# target decoded here with the cluster running and paused, in turns (about 3 minutes).
+# target decoded here with the cluster running and paused, in turns (about 2 minutes).
 bench-cluster-tax: models
 	$(VENV)/bin/python -m specserve.benchmarks.cluster_tax
 

@@ -49,15 +49,14 @@ def is_ray_process(name: str, cmdline: list[str]) -> bool:
                                              and cmdline[2] == "run")
 
 
-def ray_processes(exclude: int | None = None) -> list[int]:
+def ray_processes() -> list[int]:
     """Pids of this user's Ray processes on this machine, this process excluded."""
     import psutil
 
-    exclude = os.getpid() if exclude is None else exclude
     found = []
     for p in psutil.process_iter(["pid", "name", "cmdline", "uids"]):
         info = p.info
-        if info["pid"] == exclude or not info["uids"] or info["uids"].real != os.getuid():
+        if info["pid"] == os.getpid() or not info["uids"] or info["uids"].real != os.getuid():
             continue
         if is_ray_process(info["name"] or "", info["cmdline"] or []):
             found.append(info["pid"])
@@ -115,8 +114,8 @@ def summary(pairs: list[tuple[float, float]]) -> str:
     median paused / running: 1.292x (the idle cluster takes 23% of the decode's speed)
     """
     ratios = [paused / running for running, paused in pairs]
-    rows = [f"| {i} | {running:.3f} | {paused:.3f} | {paused / running:.3f}x |"
-            for i, (running, paused) in enumerate(pairs, 1)]
+    rows = [f"| {i} | {running:.3f} | {paused:.3f} | {ratio:.3f}x |"
+            for i, ((running, paused), ratio) in enumerate(zip(pairs, ratios), 1)]
     median = statistics.median(ratios)
     return "\n".join(["| turn | cluster running (tok/s) | cluster paused (tok/s) | paused / running |",
                       "|---|---|---|---|", *rows,
@@ -125,7 +124,8 @@ def summary(pairs: list[tuple[float, float]]) -> str:
 
 
 def decoder_of(target: str, dtype: str, threads: int | None, tokens: int) -> Callable[[], float]:
-    """A function that decodes `tokens` greedily from a fixed code prompt and returns tokens/s."""
+    """A function that decodes `tokens` greedily from a fixed code prompt and returns tokens/s
+    (past any end of text, so every turn decodes the same tokens)."""
     from specserve.decoder import SpeculativeDecoder
     from specserve.loading import set_torch_threads
     from specserve.protocol import SamplingParams, Speculation
@@ -133,7 +133,7 @@ def decoder_of(target: str, dtype: str, threads: int | None, tokens: int) -> Cal
     set_torch_threads(threads)
     decoder = SpeculativeDecoder.from_pretrained(target, dtype=dtype, speculation=Speculation(proposer="none"))
     prompt = decoder.tokenizer.encode("def quicksort(items: list[int]) -> list[int]:\n")
-    params = SamplingParams(temperature=0, max_tokens=tokens)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
 
     def decode() -> float:
         decoder.generate([prompt], params)
