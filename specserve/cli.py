@@ -279,7 +279,7 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
     options = TrainOptions(
         method=args.method, num_heads=args.heads, num_layers=args.layers, steps=args.steps, lr=args.lr,
         batch_size=args.batch_size, seq_len=args.seq_len, max_tokens=args.max_tokens,
-        generated_tokens=args.generated_tokens, generated_share=args.generated_share,
+        generated_tokens=args.generated_tokens, generated_share=args.generated_share, chat_turns=args.chat_turns,
         head_vocab_size=args.head_vocab, own_lm_head=args.own_lm_head, prefix_window=args.prefix_window,
         seed=args.seed, dtype=args.dtype, teacher_top=args.teacher_top,
         device=args.device, threads=args.threads, checkpoint_every=args.checkpoint_every,
@@ -361,6 +361,10 @@ def add_train_heads_parser(subparsers) -> None:
     p.add_argument("--generated-share", type=float, default=d.generated_share,
                    help=f"share of each step's positions drawn from those continuations "
                         f"(default {d.generated_share})")
+    p.add_argument("--chat-turns", type=int, choices=(1, 2), default=d.chat_turns,
+                   help=f"MT-Bench turns the target answers for those continuations (default {d.chat_turns}; 2: "
+                        "also each question's second turn, after its own first answer: at most 256 more "
+                        "tokens per question, on top of --generated-tokens)")
     p.add_argument("--head-vocab", type=int, help="tokens the heads can propose (default: the whole vocabulary "
                                                   "up to 65536 tokens, else the 32768 most frequent)")
     p.add_argument("--own-lm-head", action="store_true",

@@ -217,20 +217,49 @@ STDLIB_PROMPT_TOKENS = 192  # a standard-library prompt: the first tokens of a s
 def generation_prompts(tokenizer, seed: int = 0, *, stdlib_count: int = 400) -> list[list[int]]:
     """Prompts whose greedy continuations by the target become self-distillation text
     (`specserve.heads.generated`), the benchmarks' held-out ones excluded: HumanEval problem
-    prompts as they are (the code workload's format), MT-Bench questions through the chat
-    template with the generation prompt (the chat workload's format), and the openings of
+    prompts as they are (the code workload's format), MT-Bench questions' first turns through the
+    chat template with the generation prompt (the chat workload's format), and the openings of
     standard-library windows. The sources take turns, in a seeded order, so any budget gets a
     mix of the three."""
+    return [ids for ids, _ in _generation_sources(tokenizer, seed, stdlib_count)]
+
+
+def second_turns(tokenizer, seed: int = 0, *, stdlib_count: int = 400) -> dict[int, tuple[str, str]]:
+    """The MT-Bench questions among `generation_prompts` (same arguments), by their index there:
+    (first turn, second turn). MT-Bench is two-turn, and its second turns are asked after the
+    model's own first answer (see `second_turn_prompt`)."""
+    return {i: turns for i, (_, turns) in enumerate(_generation_sources(tokenizer, seed, stdlib_count))
+            if turns is not None}
+
+
+def second_turn_prompt(tokenizer, turns: tuple[str, str], answer: str) -> list[int]:
+    """The prompt for a question's second turn: its first turn, the target's own `answer` to it,
+    then the second turn, through the chat template with the generation prompt (as plain text,
+    one message per paragraph, for a tokenizer without one)."""
+    messages = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": turns[1]}]
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode("\n\n".join(m["content"] for m in messages) + "\n\n")
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False)
+
+
+def _generation_sources(tokenizer, seed: int, stdlib_count: int) -> list[tuple[list[int], tuple[str, str] | None]]:
+    """`generation_prompts`' prompts in order, each with its MT-Bench turns (None for code and
+    standard-library prompts)."""
     from specserve.benchmarks.workloads import encode_prompt
 
     excluded = held_out()
     rng = random.Random(seed)
-    code = [encode_prompt(tokenizer, p["prompt"], chat=False)
+    code = [(encode_prompt(tokenizer, p["prompt"], chat=False), None)
             for p in _humaneval_problems() if p["task_id"] not in excluded.humaneval]
     has_template = bool(getattr(tokenizer, "chat_template", None))
-    chat = [encode_prompt(tokenizer, json.loads(doc.text)[0]["content"], chat=has_template)
-            for doc in mtbench_documents(excluded.mtbench)]
-    library = [ids[:STDLIB_PROMPT_TOKENS] for doc in stdlib_documents(seed + 1, stdlib_count)
+    chat = []
+    for doc in mtbench_documents(excluded.mtbench):
+        turns = [m["content"] for m in json.loads(doc.text) if m["role"] == "user"]
+        chat.append((encode_prompt(tokenizer, turns[0], chat=has_template),
+                     (turns[0], turns[1]) if len(turns) > 1 else None))
+    library = [(ids[:STDLIB_PROMPT_TOKENS], None) for doc in stdlib_documents(seed + 1, stdlib_count)
                if len(ids := tokenizer.encode(doc.text, add_special_tokens=False)) > STDLIB_PROMPT_TOKENS // 2]
     sources = [code, chat, library]
     for s in sources:

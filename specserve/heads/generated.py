@@ -12,7 +12,7 @@ the text is needed.
 The result has `compute_hidden_states`' format, one sequence per prompt that produced at least
 two tokens: `tokens` are the inputs of the decode steps (the prompt's last token, then every
 generated token but the last), `greedy` what each step produced (the next input), `hidden` the
-step's hidden state.
+step's hidden state; `prompt_index` says which prompt each sequence continued.
 
 A run takes over an hour on a small CPU, so with `parts_dir` it keeps what it has: every
 `save_every_s` seconds the continuations finished since the last save go to a new part file
@@ -85,14 +85,32 @@ def generate_states(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
         for seq in live.values():
             worker.release(seq.request_id)
     finished.update(live)  # continuations the budget cut short
-    kept = [finished[i] for i in sorted(finished) if len(finished[i].outputs) >= 2]
+    kept_index = [i for i in sorted(finished) if len(finished[i].outputs) >= 2]
+    kept = [finished[i] for i in kept_index]
     offsets = torch.tensor([0] + [len(c.outputs) for c in kept]).cumsum(0)
     width = model.config.hidden_size
     dtype = next(model.parameters()).dtype
     return {"hidden": torch.stack([h for c in kept for h in c.hidden]) if kept else torch.zeros(0, width, dtype=dtype),
             "greedy": torch.tensor([t for c in kept for t in c.outputs], dtype=torch.long),
             "tokens": torch.tensor([t for c in kept for t in c.inputs], dtype=torch.long),
-            "offsets": offsets}
+            "offsets": offsets,
+            "prompt_index": torch.tensor(kept_index, dtype=torch.long)}
+
+
+def continuation_text(tokenizer, states: dict[str, torch.Tensor], sequence: int) -> str:
+    """What the target wrote in one sequence of `generate_states`' result, as text (its end of
+    text and other special tokens left out)."""
+    start, end = states["offsets"][sequence:sequence + 2].tolist()
+    return tokenizer.decode(states["greedy"][start:end].tolist(), skip_special_tokens=True).strip()
+
+
+def concat_states(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Two `generate_states` results as one: `second`'s sequences after `first`'s."""
+    return {"hidden": torch.cat([first["hidden"], second["hidden"]]),
+            "greedy": torch.cat([first["greedy"], second["greedy"]]),
+            "tokens": torch.cat([first["tokens"], second["tokens"]]),
+            "offsets": torch.cat([first["offsets"], second["offsets"][1:] + first["offsets"][-1]]),
+            "prompt_index": torch.cat([first["prompt_index"], second["prompt_index"]])}
 
 
 def save_part(parts_dir: Path, continuations: dict[int, "_Continuation"]) -> Path:

@@ -82,6 +82,10 @@ class TrainOptions:
     generated_eval_tokens: int = 1024  # ... and for held-out evaluation (held-out prompts)
     generated_max_new: int = 256  # longest continuation of one prompt
     generated_share: float = 0.7  # share of each step's positions taken from the continuations
+    # MT-Bench turns the target answers: 2 also continues each question's second turn after its
+    # own first answer (at most generated_max_new more tokens per question, on top of
+    # generated_tokens)
+    chat_turns: int = 1
     head_vocab_size: int | None = None  # None: the full vocabulary up to 65536, else 32768
     own_lm_head: bool = False  # Medusa only: train a copy of the lm_head per head (large: slow on CPU)
     prefix_window: int = 0  # Hydra only: Hydra++ prefix attention over the last N hidden states (0: off)
@@ -207,6 +211,8 @@ def validate_options(options: TrainOptions) -> None:
     for name in ("generated_tokens", "generated_eval_tokens"):
         if getattr(options, name) < 0:
             raise SpecserveError(f"{name} must be >= 0 (0: no self-distillation), got {getattr(options, name)}")
+    if options.chat_turns not in (1, 2):
+        raise SpecserveError(f"chat_turns must be 1 or 2 (MT-Bench questions have two turns), got {options.chat_turns}")
     if not 0.0 <= options.generated_share <= 1.0:
         raise SpecserveError(f"generated_share must be in [0, 1], got {options.generated_share}")
     if not options.lr > 0:
@@ -688,9 +694,11 @@ def _prepare_data(target: Target, options: TrainOptions, sequences, eval_sequenc
         eval_sequences = data.heldout_sequences(target.tokenizer, options.eval_tokens)
         prompts = data.generation_prompts(target.tokenizer, options.seed)
         eval_prompts = data.heldout_prompts(target.tokenizer)
+        second_turns = data.second_turns(target.tokenizer, options.seed) if options.chat_turns > 1 else {}
     else:
         prompts = [s[: max(1, len(s) // 2)] for s in sequences]
         eval_prompts = [s[: max(1, len(s) // 2)] for s in eval_sequences]
+        second_turns = {}
     dtype = next(target.model.parameters()).dtype
     key = cache_key(target, options, sequences, eval_sequences, dtype)
 
@@ -707,7 +715,7 @@ def _prepare_data(target: Target, options: TrainOptions, sequences, eval_sequenc
         log(f"hidden states: {train_tokens + eval_tokens} tokens in {seconds:.1f} s "
             f"({(train_tokens + eval_tokens) / seconds:.1f} tokens/s)")
     generated, generated_seconds, generated_key = _generated_data(target, options, prompts, eval_prompts, dtype,
-                                                                  cache_dir, log)
+                                                                  cache_dir, log, second_turns)
     return {"key": f"{key}-{generated_key}", "tensors": {**tensors, **generated}, "cache_seconds": seconds,
             "generated_seconds": generated_seconds, "dtype": dtype, "train_tokens": train_tokens,
             "eval_tokens": eval_tokens, "generated_tokens": len(generated["gen.tokens"]),
@@ -715,36 +723,46 @@ def _prepare_data(target: Target, options: TrainOptions, sequences, eval_sequenc
 
 
 def _generated_data(target: Target, options: TrainOptions, prompts, eval_prompts, dtype, cache_dir: Path,
-                    log: Log) -> tuple[dict, float, str]:
-    """The target's own continuations of the training prompts (`gen.*`) and of held-out
-    prompts (`geneval.*`), with their hidden states, cached like the text's."""
-    from specserve.heads.generated import generate_states
+                    log: Log, second_turns: dict[int, tuple[str, str]]) -> tuple[dict, float, str]:
+    """The target's own continuations of the training prompts (`gen.*`: with `second_turns`,
+    by prompt index, also those conversations' second turns after the target's own first
+    answers) and of held-out prompts (`geneval.*`), with their hidden states, cached like the
+    text's."""
+    from specserve.heads import data
+    from specserve.heads.generated import concat_states, continuation_text, generate_states
     from specserve.loading import eos_ids
 
-    key = hashlib.sha256(json.dumps({
+    fields = {
         "target": target.fingerprint, "dtype": str(dtype), "max_new": options.generated_max_new,
         "batching": "continuous",  # where the budget cuts the continuations short depends on it
         "tokens": [options.generated_tokens, options.generated_eval_tokens],
         "prompts": hashlib.sha256(json.dumps([list(map(int, p)) for p in prompts]).encode()).hexdigest(),
         "eval": hashlib.sha256(json.dumps([list(map(int, p)) for p in eval_prompts]).encode()).hexdigest(),
-    }, sort_keys=True).encode()).hexdigest()[:20]
+    }
+    if second_turns:  # only then: caches made before second turns existed stay valid
+        fields["second_turns"] = hashlib.sha256(json.dumps(sorted(second_turns.items())).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
     eos = eos_ids(target.model, target.tokenizer)
 
     # an interrupted run's finished continuations, picked up by the next run (see generated.py)
     parts_dir = cache_dir / f"generated-{key}.parts"
 
+    def continue_prompts(name: str, part_prompts, budget: int, desc: str) -> dict[str, torch.Tensor]:
+        if (parts_dir / name).is_dir():
+            log(f"resuming the {name} continuations from {parts_dir / name}")
+        return generate_states(target.model, part_prompts, max_new_tokens=options.generated_max_new,
+                               max_tokens=budget, eos_token_ids=eos, progress=options.progress, desc=desc,
+                               parts_dir=parts_dir / name)
+
     def build() -> dict[str, torch.Tensor]:
-        parts = {}
-        for name, part_prompts, budget in (("gen", prompts, options.generated_tokens),
-                                           ("geneval", eval_prompts, options.generated_eval_tokens)):
-            if (parts_dir / name).is_dir():
-                log(f"resuming the {name} continuations from {parts_dir / name}")
-            states = generate_states(target.model, part_prompts, max_new_tokens=options.generated_max_new,
-                                     max_tokens=budget, eos_token_ids=eos, progress=options.progress,
-                                     desc="held-out continuations" if name == "geneval" else "target continuations",
-                                     parts_dir=parts_dir / name)
-            parts.update({f"{name}.{k}": v for k, v in states.items()})
-        return parts
+        gen = continue_prompts("gen", prompts, options.generated_tokens, "target continuations")
+        follow_ups = [data.second_turn_prompt(target.tokenizer, turns, continuation_text(target.tokenizer, gen, j))
+                      for j, i in enumerate(gen["prompt_index"].tolist()) if (turns := second_turns.get(i)) is not None]
+        if follow_ups:  # numbered after the first turns' prompts
+            turn2 = continue_prompts("turn2", follow_ups, len(follow_ups) * options.generated_max_new, "second turns")
+            gen = concat_states(gen, {**turn2, "prompt_index": turn2["prompt_index"] + len(prompts)})
+        held = continue_prompts("geneval", eval_prompts, options.generated_eval_tokens, "held-out continuations")
+        return {**{f"gen.{k}": v for k, v in gen.items()}, **{f"geneval.{k}": v for k, v in held.items()}}
 
     tensors, seconds = load_or_build_cache(cache_dir / f"generated-{key}.safetensors", build, log)
     shutil.rmtree(parts_dir, ignore_errors=True)  # the whole result is cached now
