@@ -279,6 +279,82 @@ def test_interrupted_continuations_resume_from_their_saved_parts(target, tmp_pat
                                       progress=False, parts_dir=parts)
     assert not started and len(small["greedy"]) == saved_tokens
 
+class RoundTripTokenizer:
+    """Printable characters, one token each, that decode back to the same ids, with a chat
+    template that writes each message as "role:content|"."""
+
+    chat_template = "role:content|"
+    eos_token_id = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - 33 for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i + 33) for i in ids)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        return "".join(f"{m['role']}:{m['content']}|" for m in messages) + ("assistant:" if add_generation_prompt else "")
+
+
+def test_second_turns_are_continued_after_the_targets_own_first_answers(target, tmp_path):
+    """chat_turns 2: each conversation's second turn is asked after the target's own first
+    answer (its greedy continuation of the first turn, nothing else), continued like the other
+    prompts, and appended after them; other prompts get no second turn, and the cache of a run
+    without second turns keeps its name."""
+    from specserve.heads.generated import generate_states
+    from specserve.heads.train import Target, _generated_data
+    from specserve.loading import eos_ids
+
+    tok = RoundTripTokenizer()
+    turns = {1: ("ab", "cd"), 3: ("ef", "gh")}  # prompts 1 and 3 are conversations
+    prompts = [seq[:5 + i] for i, seq in enumerate(TRAIN[:5])]
+    for i, (first, _) in turns.items():
+        prompts[i] = tok.encode(f"user:{first}|assistant:")
+    eval_prompts = [HELD_OUT[0][:6]]
+    options = tiny_options(generated_tokens=1000, generated_eval_tokens=8, generated_max_new=7)
+    tiny = Target(target, tok, "tiny", "tiny-weights")
+    args = (options, prompts, eval_prompts, torch.float32, tmp_path, lambda msg: None)
+
+    with_turns, _, key = _generated_data(tiny, *args, turns)
+    eos = eos_ids(target, tok)
+    first = generate_states(target, prompts, max_new_tokens=7, max_tokens=1000, eos_token_ids=eos, progress=False)
+    answers = {i: first["greedy"][first["offsets"][j]:first["offsets"][j + 1]].tolist()
+               for j, i in enumerate(first["prompt_index"].tolist())}
+    follow_ups = [tok.encode(f"user:{turns[i][0]}|assistant:") + answers[i] + tok.encode(f"|user:{turns[i][1]}|assistant:")
+                  for i in sorted(turns)]
+    second = generate_states(target, follow_ups, max_new_tokens=7, max_tokens=1000, eos_token_ids=eos, progress=False)
+
+    n = len(first["offsets"]) - 1
+    assert with_turns["gen.prompt_index"].tolist() == first["prompt_index"].tolist() + [len(prompts), len(prompts) + 1]
+    offsets = with_turns["gen.offsets"]
+    assert offsets[:n + 1].tolist() == first["offsets"].tolist()
+    assert (offsets[n:] - offsets[n]).tolist() == second["offsets"].tolist()
+    assert with_turns["gen.greedy"].tolist() == first["greedy"].tolist() + second["greedy"].tolist()
+    assert with_turns["gen.tokens"].tolist() == first["tokens"].tolist() + second["tokens"].tolist()
+    torch.testing.assert_close(with_turns["gen.hidden"], torch.cat([first["hidden"], second["hidden"]]))
+
+    without, _, plain_key = _generated_data(tiny, *args, {})
+    assert plain_key != key and without["gen.greedy"].tolist() == first["greedy"].tolist()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"generated-{k}.safetensors" for k in (key, plain_key))
+
+
+def test_second_turn_prompts_hold_the_conversation_so_far(excluded):
+    """The MT-Bench questions among the generation prompts, by index: each is that question's
+    first turn (what the prompt asks) with its second turn; the second turn's prompt holds the
+    first turn, the answer and the second turn, in that order, ready for the assistant."""
+    from specserve.benchmarks.workloads import encode_prompt
+
+    tok = RoundTripTokenizer()
+    prompts = data.generation_prompts(tok, 0, stdlib_count=30)
+    turns = data.second_turns(tok, 0, stdlib_count=30)
+    assert len(turns) == 80 - len(excluded.mtbench)
+    for i, (first, second) in turns.items():
+        assert prompts[i] == encode_prompt(tok, first, chat=True) and second
+    first, second = next(iter(turns.values()))
+    prompt = tok.decode(data.second_turn_prompt(tok, (first, second), "my answer"))
+    assert prompt == f"user:{first}|assistant:my answer|user:{second}|assistant:"
+
+
 def test_token_map_keeps_the_most_frequent_ids():
     tokens = torch.tensor([5, 5, 5, 2, 2, 9])
     greedy = torch.tensor([7, 7, 7, 7, 2, 1])
@@ -522,6 +598,8 @@ def test_the_vllm_export_takes_the_lm_head_from_the_target_s_files(tmp_path):
     ({"lr": 0.0}, "lr must be > 0"),
     ({"teacher_top": -1}, "teacher_top must be >= 0"),
     ({"dtype": "int8"}, "unknown dtype"),
+    ({"chat_turns": 3}, "chat_turns must be 1 or 2"),
+    ({"chat_turns": 2}, "explicit token sequences hold no conversations"),
 ])
 def test_bad_options_are_refused(target, tmp_path, changes, message):
     with pytest.raises(SpecserveError, match=message):

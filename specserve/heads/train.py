@@ -655,6 +655,9 @@ def train_heads(target, out_dir: str | Path | None = None, options: TrainOptions
     validate_options(options)
     if (sequences is None) != (eval_sequences is None):
         raise SpecserveError("give both sequences and eval_sequences, or neither")
+    if sequences is not None and options.chat_turns > 1:
+        raise SpecserveError("chat_turns 2 continues MT-Bench's second turns, from the offline text; explicit "
+                             "token sequences hold no conversations")
     if out_dir is None:
         if not isinstance(target, (str, os.PathLike)):
             raise SpecserveError("out_dir is needed when the target is a model object")
