@@ -111,7 +111,7 @@ def test_a_burst_turns_speculation_off_and_it_comes_back(medusa_client, referenc
     again_off = min(spec["speculation_off_share"] for _, spec in again)  # back on within three requests
     assert alone[1]["policy"] == "adaptive" and alone_off < 0.3, alone[1]
     assert burst_off > max(0.3, alone_off + 0.15), [spec["policy_decisions"] for _, spec in burst]
-    assert again_off < min(0.3, burst_off - 0.15), [spec for _, spec in again]
+    assert again_off < min(0.3, burst_off - 0.15), [(spec["policy_decisions"], spec["k_histogram"]) for _, spec in again]
 
 
 def test_typical_acceptance_is_labelled_lossy_over_http(medusa_client):
