@@ -279,6 +279,7 @@ def test_interrupted_continuations_resume_from_their_saved_parts(target, tmp_pat
                                       progress=False, parts_dir=parts)
     assert not started and len(small["greedy"]) == saved_tokens
 
+
 class RoundTripTokenizer:
     """Printable characters, one token each, that decode back to the same ids, with a chat
     template that writes each message as "role:content|"."""
@@ -345,8 +346,8 @@ def test_second_turn_prompts_hold_the_conversation_so_far(excluded):
     from specserve.benchmarks.workloads import encode_prompt
 
     tok = RoundTripTokenizer()
-    prompts = data.generation_prompts(tok, 0, stdlib_count=30)
-    turns = data.second_turns(tok, 0, stdlib_count=30)
+    prompts, turns = data.generation_prompts_with_turns(tok, 0, stdlib_count=30)
+    assert prompts == data.generation_prompts(tok, 0, stdlib_count=30)
     assert len(turns) == 80 - len(excluded.mtbench)
     for i, (first, second) in turns.items():
         assert prompts[i] == encode_prompt(tok, first, chat=True) and second

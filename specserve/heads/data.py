@@ -221,15 +221,7 @@ def generation_prompts(tokenizer, seed: int = 0, *, stdlib_count: int = 400) -> 
     chat template with the generation prompt (the chat workload's format), and the openings of
     standard-library windows. The sources take turns, in a seeded order, so any budget gets a
     mix of the three."""
-    return [ids for ids, _ in _generation_sources(tokenizer, seed, stdlib_count)]
-
-
-def second_turns(tokenizer, seed: int = 0, *, stdlib_count: int = 400) -> dict[int, tuple[str, str]]:
-    """The MT-Bench questions among `generation_prompts` (same arguments), by their index there:
-    (first turn, second turn). MT-Bench is two-turn, and its second turns are asked after the
-    model's own first answer (see `second_turn_prompt`)."""
-    return {i: turns for i, (_, turns) in enumerate(_generation_sources(tokenizer, seed, stdlib_count))
-            if turns is not None}
+    return generation_prompts_with_turns(tokenizer, seed, stdlib_count=stdlib_count)[0]
 
 
 def second_turn_prompt(tokenizer, turns: tuple[str, str], answer: str) -> list[int]:
@@ -244,9 +236,11 @@ def second_turn_prompt(tokenizer, turns: tuple[str, str], answer: str) -> list[i
                             add_special_tokens=False)
 
 
-def _generation_sources(tokenizer, seed: int, stdlib_count: int) -> list[tuple[list[int], tuple[str, str] | None]]:
-    """`generation_prompts`' prompts in order, each with its MT-Bench turns (None for code and
-    standard-library prompts)."""
+def generation_prompts_with_turns(tokenizer, seed: int = 0, *, stdlib_count: int = 400
+                                  ) -> tuple[list[list[int]], dict[int, tuple[str, str]]]:
+    """`generation_prompts`, and the MT-Bench questions among them by their index there:
+    (first turn, second turn). MT-Bench is two-turn, and its second turns are asked after the
+    model's own first answer (see `second_turn_prompt`)."""
     from specserve.benchmarks.workloads import encode_prompt
 
     excluded = held_out()
@@ -267,4 +261,4 @@ def _generation_sources(tokenizer, seed: int, stdlib_count: int) -> list[tuple[l
     mixed = []
     for i in range(max(map(len, sources))):
         mixed += [s[i] for s in sources if i < len(s)]
-    return mixed
+    return [ids for ids, _ in mixed], {i: turns for i, (_, turns) in enumerate(mixed) if turns is not None}

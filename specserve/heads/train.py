@@ -695,9 +695,9 @@ def _prepare_data(target: Target, options: TrainOptions, sequences, eval_sequenc
 
         sequences = data.token_sequences(target.tokenizer, options.max_tokens, options.seed)
         eval_sequences = data.heldout_sequences(target.tokenizer, options.eval_tokens)
-        prompts = data.generation_prompts(target.tokenizer, options.seed)
+        prompts, turns = data.generation_prompts_with_turns(target.tokenizer, options.seed)
         eval_prompts = data.heldout_prompts(target.tokenizer)
-        second_turns = data.second_turns(target.tokenizer, options.seed) if options.chat_turns > 1 else {}
+        second_turns = turns if options.chat_turns > 1 else {}
     else:
         prompts = [s[: max(1, len(s) // 2)] for s in sequences]
         eval_prompts = [s[: max(1, len(s) // 2)] for s in eval_sequences]
