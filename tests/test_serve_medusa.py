@@ -19,6 +19,8 @@ pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
 MEDUSA = f"{BASE}/medusa"
 PROMPTS = ["def add(a, b):", "The capital of France is", "import numpy as np\n", "Once upon a time"]
+# Greedy SmolLM2 counts on, and the session's quick heads follow it (first drafts accepted 0.8)
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"
 TREE = {"budget": 10, "depth": 3, "width": 3, "min_score": 0.0}
 
 
@@ -90,7 +92,16 @@ def test_a_co_located_round_is_one_forward_pass(medusa_app, medusa_client):
 def test_a_burst_turns_speculation_off_and_it_comes_back(medusa_client, reference):
     """The deployment's policy is adaptive: alone, a request speculates; in a burst of 12
     concurrent requests the target's passes are full and the policy turns speculation off for
-    many rounds; alone again, speculation comes back. Outputs stay exact throughout."""
+    many rounds, the same prompt's included; alone again, speculation comes back. Outputs stay
+    exact throughout.
+
+    After the burst the lone requests continue a count (COUNTING), where the session's quick
+    heads accept 0.8 of their first drafts (mean accepted length ~2): speculating clearly pays
+    alone. On PROMPTS[0] they accept ~0.3 (about 1.4 tokens a round; the model put the gain at
+    8-16%), and its first drafts after the prompt are rejected: starting from the deployment's
+    estimate, which the burst's prompts had lowered to ~0.24, near break-even, those rejections
+    turned it off, and in 48 tokens its probes brought it back in 2 of 3 runs. A marginal gain
+    lost to an unlucky start, not the recovery this test is about."""
     from concurrent.futures import ThreadPoolExecutor
 
     tokenizer, _, greedy_text, _ = reference
@@ -102,15 +113,18 @@ def test_a_burst_turns_speculation_off_and_it_comes_back(medusa_client, referenc
     alone = [run(PROMPTS[0]) for _ in range(2)][-1]  # the second: the load model has seen the first
     with ThreadPoolExecutor(12) as pool:  # the router takes 8 at once and queues the rest
         burst = list(pool.map(run, PROMPTS * 3))
-    again = [run(PROMPTS[0]) for _ in range(3)]
-    expected = {p: greedy_text(tokenizer.encode(p), 48) for p in PROMPTS}
+    again = [run(COUNTING) for _ in range(3)]
+    expected = {p: greedy_text(tokenizer.encode(p), 48) for p in [*PROMPTS, COUNTING]}
     assert [text for text, _ in burst] == [expected[p] for p in PROMPTS * 3]
-    assert alone[0] == expected[PROMPTS[0]] and all(text == expected[PROMPTS[0]] for text, _ in again)
-    burst_off = sum(spec["speculation_off_share"] for _, spec in burst) / len(burst)
+    assert alone[0] == expected[PROMPTS[0]] and all(text == expected[COUNTING] for text, _ in again)
     alone_off = alone[1]["speculation_off_share"]
+    burst_off = sum(spec["speculation_off_share"] for _, spec in burst) / len(burst)
+    # PROMPTS[0]'s three (the last of them, queued, runs as the burst drains: 0.24-0.73 off)
+    same_prompt_off = sum(spec["speculation_off_share"] for _, spec in burst[::len(PROMPTS)]) / 3
     again_off = min(spec["speculation_off_share"] for _, spec in again)  # back on within three requests
     assert alone[1]["policy"] == "adaptive" and alone_off < 0.3, alone[1]
     assert burst_off > max(0.3, alone_off + 0.15), [spec["policy_decisions"] for _, spec in burst]
+    assert same_prompt_off > alone_off + 0.15, [spec for _, spec in burst[::len(PROMPTS)]]
     assert again_off < min(0.3, burst_off - 0.15), [(spec["policy_decisions"], spec["k_histogram"]) for _, spec in again]
 
 
