@@ -96,3 +96,58 @@ def test_the_cli_takes_a_static_shape_as_paths_or_by_name():
     for bad in ("[[0], [x]]", "papers"):
         with pytest.raises(SpecserveError, match="tree-shape|unknown tree shape"):
             spec(bad)
+
+
+def test_an_unknown_workload_is_refused_before_anything_loads(capsys):
+    from specserve.benchmarks.replay import load_trajectories
+    from specserve.cli import main
+
+    with pytest.raises(SpecserveError, match="chat2"):
+        load_trajectories(None, None, "target", "poetry", 2, 0, 8, set())
+    with pytest.raises(SystemExit):
+        main(["replay-heads", "--workloads", "poetry"])
+    assert "chat2" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_chat2_asks_mt_bench_second_turns_after_the_targets_own_first_answers(tmp_path, monkeypatch):
+    """MT-Bench as MT-Bench runs: each question's second turn follows the target's own greedy
+    answer to its first (cut at FIRST_ANSWER_TOKENS), and the replay continues that
+    conversation. Answers and continuations are cached: a second load decodes nothing."""
+    from specserve import models
+    from specserve.benchmarks import replay
+    from specserve.benchmarks.workloads import encode_prompt, mtbench
+    from specserve.heads.data import second_turn_prompt
+    from specserve.loading import load_pair
+
+    smol = "smollm2-135m-instruct"
+    if not models.is_cached(smol):
+        pytest.skip(f"run `specserve models pull {smol}` first (make test does)")
+    monkeypatch.setattr(replay, "FIRST_ANSWER_TOKENS", 12)
+    pair = load_pair(smol, dtype="float32")
+    tokenizer, stop, quiet = pair.tokenizer, set(pair.eos_token_ids), (lambda _: None)
+
+    def load():
+        return replay.load_trajectories(pair.target, tokenizer, smol, "chat2", 2, 1, 6, stop, quiet, cache_dir=tmp_path)
+
+    trajectories = load()
+    questions = mtbench(3).prompts[1:]  # --skip 1 --prompts 2
+    firsts = [encode_prompt(tokenizer, q.text, chat=True) for q in questions]
+    answers = replay.greedy_continuations(pair.target, firsts, 12, stop, quiet)
+    assert all(len(a) == 12 for a in answers)  # the cut, not the answers' own end
+    texts = [tokenizer.decode(a, skip_special_tokens=True).strip() for a in answers]
+    expected = [second_turn_prompt(tokenizer, (q.text, q.follow_up), text) for q, text in zip(questions, texts)]
+    assert [t.prompt for t in trajectories] == expected
+    for t, q, text in zip(trajectories, questions, texts):
+        conversation = tokenizer.decode(t.prompt)
+        assert 0 <= conversation.index(q.text) < conversation.index(text) < conversation.index(q.follow_up)
+    assert [t.continuation for t in trajectories] == replay.greedy_continuations(pair.target, expected, 6, stop, quiet)
+    assert all(t.hidden.shape[0] == len(t.continuation) for t in trajectories)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{smol}-chat-answers-12.json", f"{smol}-chat2-6.json"]
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("decoded again instead of reading the cache")
+
+    monkeypatch.setattr(replay, "greedy_continuations", no_decoding)
+    again = load()
+    assert [(t.prompt, t.continuation) for t in again] == [(t.prompt, t.continuation) for t in trajectories]

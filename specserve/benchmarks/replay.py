@@ -13,8 +13,11 @@ of the heads alone, in seconds where `specserve bench` spends a target pass per 
 a call on a 2-core CPU). It measures accepted length only, never tokens/s: shapes found here
 are confirmed with `specserve bench` (tokens/s and exactness).
 
-Continuations are decoded once per (target, workload, prompt, max_tokens) and cached under
-$SPECSERVE_HOME/replay. The rounds mirror the decoder's: the prefill yields the first token,
+Workloads: `code` (HumanEval), `chat` (MT-Bench first turns) and `chat2` (MT-Bench second
+turns, as MT-Bench asks them: after the target's own greedy answer to the first turn, at most
+FIRST_ANSWER_TOKENS of it, as `specserve train-heads --chat-turns 2` builds its training
+conversations). Continuations (and chat2's first answers) are decoded once per (target,
+workload, prompt, max_tokens) and cached under $SPECSERVE_HOME/replay. The rounds mirror the decoder's: the prefill yields the first token,
 each round commits its accepted tokens and the target's next one, up to max_tokens or a stop
 token; accepted length = tokens / target passes, as `specserve bench` reports it.
 """
@@ -132,24 +135,62 @@ def hidden_along(worker, prompt: list[int], continuation: list[int]):
     return rows.hidden.float().cpu()
 
 
-def load_trajectories(worker, tokenizer, target: str, workload: str, prompts: int, skip: int, max_tokens: int,
-                      stop_ids: set[int], log=print) -> list[Trajectory]:
-    from specserve.benchmarks import workloads
-    from specserve.models import specserve_home
+REPLAY_WORKLOADS = ("code", "chat", "chat2")
+FIRST_ANSWER_TOKENS = 256  # chat2: the first answer the second turn follows (train-heads' generated_max_new)
 
-    chosen = workloads.load([workload], skip + prompts)[0]
-    encoded = chosen.encode(tokenizer)[skip:]
-    ids = [p.id for p in chosen.prompts[skip:]]
-    cache = specserve_home() / "replay" / f"{target.replace('/', '--')}-{workload}-{max_tokens}.json"
+
+def cached_continuations(worker, cache, ids: Sequence[str], prompts: Sequence[list[int]], max_tokens: int,
+                         stop_ids: set[int], log=print, what: str = "greedy continuations") -> list[list[int]]:
+    """`greedy_continuations` of `prompts`, kept in the JSON file `cache` by prompt id: only the
+    prompts it does not hold yet are decoded."""
     known = json.loads(cache.read_text()) if cache.is_file() else {}
     missing = [i for i, pid in enumerate(ids) if pid not in known]
     if missing:
-        log(f"{workload}: decoding {len(missing)} greedy continuations ({max_tokens} tokens)")
-        decoded = greedy_continuations(worker, [encoded[i] for i in missing], max_tokens, stop_ids, log)
+        log(f"{cache.stem}: decoding {len(missing)} {what} ({max_tokens} tokens)")
+        decoded = greedy_continuations(worker, [prompts[i] for i in missing], max_tokens, stop_ids, log)
         known.update({ids[i]: out for i, out in zip(missing, decoded)})
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(known))
-    trajectories = [Trajectory(encoded[i], known[pid]) for i, pid in enumerate(ids)]
+    return [known[pid] for pid in ids]
+
+
+def second_turn_prompts(worker, tokenizer, questions, first_turns: Sequence[list[int]], cache_stem: str, cache_dir,
+                        stop_ids: set[int], log=print) -> list[list[int]]:
+    """MT-Bench's second turns (`Prompt.follow_up`), each asked after the target's own greedy
+    answer to its question's first turn (`first_turns`, encoded), cut at FIRST_ANSWER_TOKENS."""
+    from specserve.heads.data import second_turn_prompt
+
+    unpaired = [q.id for q in questions if q.follow_up is None]
+    if unpaired:
+        raise SpecserveError(f"chat2: these questions have no second turn: {', '.join(unpaired)}")
+    answers = cached_continuations(worker, cache_dir / f"{cache_stem}-answers-{FIRST_ANSWER_TOKENS}.json",
+                                   [q.id for q in questions], first_turns, FIRST_ANSWER_TOKENS, stop_ids, log,
+                                   what="first answers")
+    return [second_turn_prompt(tokenizer, (q.text, q.follow_up), tokenizer.decode(a, skip_special_tokens=True).strip())
+            for q, a in zip(questions, answers)]
+
+
+def load_trajectories(worker, tokenizer, target: str, workload: str, prompts: int, skip: int, max_tokens: int,
+                      stop_ids: set[int], log=print, cache_dir=None) -> list[Trajectory]:
+    """The workload's prompts (the benchmark's seeded order, the first `skip` left out), the
+    target's greedy continuations of them (cached in `cache_dir`, default
+    $SPECSERVE_HOME/replay) and its hidden states along them."""
+    from specserve.benchmarks import workloads
+    from specserve.models import specserve_home
+
+    if workload not in REPLAY_WORKLOADS:
+        raise SpecserveError(f"unknown workload {workload!r}; choose from {', '.join(REPLAY_WORKLOADS)}")
+    cache_dir = specserve_home() / "replay" if cache_dir is None else cache_dir
+    chosen = workloads.load(["chat" if workload == "chat2" else workload], skip + prompts)[0]
+    questions = chosen.prompts[skip:]
+    ids = [p.id for p in questions]
+    encoded = chosen.encode(tokenizer)[skip:]
+    stem = target.replace('/', '--')
+    if workload == "chat2":
+        encoded = second_turn_prompts(worker, tokenizer, questions, encoded, f"{stem}-chat", cache_dir, stop_ids, log)
+    continuations = cached_continuations(worker, cache_dir / f"{stem}-{workload}-{max_tokens}.json", ids, encoded,
+                                         max_tokens, stop_ids, log)
+    trajectories = [Trajectory(p, c) for p, c in zip(encoded, continuations)]
     started = time.monotonic()
     for n, t in enumerate(trajectories, 1):
         t.hidden = hidden_along(worker, t.prompt, t.continuation)
@@ -186,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", nargs="+", default=None,
                         help="methods (their default heads directories, from `specserve train-heads`) or heads "
                              "directories (default: every method whose default heads are there)")
-    parser.add_argument("--workloads", nargs="+", default=["code"], help="code (HumanEval) and/or chat (MT-Bench)")
+    parser.add_argument("--workloads", nargs="+", default=["code"], choices=REPLAY_WORKLOADS,
+                        help="code (HumanEval), chat (MT-Bench first turns), chat2 (MT-Bench second turns, after "
+                             f"the target's own greedy first answer, at most {FIRST_ANSWER_TOKENS} tokens)")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per workload, the benchmark's seeded order")
     parser.add_argument("--skip", type=int, default=0, help="skip the workload's first N prompts (tune on others "
                         "than the benchmark's)")

