@@ -143,7 +143,8 @@ def test_chat2_asks_mt_bench_second_turns_after_the_targets_own_first_answers(tm
         assert 0 <= conversation.index(q.text) < conversation.index(text) < conversation.index(q.follow_up)
     assert [t.continuation for t in trajectories] == replay.greedy_continuations(pair.target, expected, 6, stop, quiet)
     assert all(t.hidden.shape[0] == len(t.continuation) for t in trajectories)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{smol}-chat-answers-12.json", f"{smol}-chat2-6.json"]
+    cached = sorted(p.name for p in tmp_path.iterdir())
+    assert cached == [f"{smol}-chat-answers-12.json", f"{smol}-chat2-after-12-6.json"]
 
     def no_decoding(*args, **kwargs):
         raise AssertionError("decoded again instead of reading the cache")

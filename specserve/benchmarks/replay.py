@@ -17,9 +17,10 @@ Workloads: `code` (HumanEval), `chat` (MT-Bench first turns) and `chat2` (MT-Ben
 turns, as MT-Bench asks them: after the target's own greedy answer to the first turn, at most
 FIRST_ANSWER_TOKENS of it, as `specserve train-heads --chat-turns 2` builds its training
 conversations). Continuations (and chat2's first answers) are decoded once per (target,
-workload, prompt, max_tokens) and cached under $SPECSERVE_HOME/replay. The rounds mirror the decoder's: the prefill yields the first token,
-each round commits its accepted tokens and the target's next one, up to max_tokens or a stop
-token; accepted length = tokens / target passes, as `specserve bench` reports it.
+workload, prompt, max_tokens) and cached under $SPECSERVE_HOME/replay. The rounds mirror the
+decoder's: the prefill yields the first token, each round commits its accepted tokens and the
+target's next one, up to max_tokens or a stop token; accepted length = tokens / target passes,
+as `specserve bench` reports it.
 """
 
 from __future__ import annotations
@@ -185,10 +186,11 @@ def load_trajectories(worker, tokenizer, target: str, workload: str, prompts: in
     questions = chosen.prompts[skip:]
     ids = [p.id for p in questions]
     encoded = chosen.encode(tokenizer)[skip:]
-    stem = target.replace('/', '--')
-    if workload == "chat2":
+    stem, name = target.replace('/', '--'), workload
+    if workload == "chat2":  # its continuations follow first answers of this length: named by it
         encoded = second_turn_prompts(worker, tokenizer, questions, encoded, f"{stem}-chat", cache_dir, stop_ids, log)
-    continuations = cached_continuations(worker, cache_dir / f"{stem}-{workload}-{max_tokens}.json", ids, encoded,
+        name = f"chat2-after-{FIRST_ANSWER_TOKENS}"
+    continuations = cached_continuations(worker, cache_dir / f"{stem}-{name}-{max_tokens}.json", ids, encoded,
                                          max_tokens, stop_ids, log)
     trajectories = [Trajectory(p, c) for p, c in zip(encoded, continuations)]
     started = time.monotonic()
