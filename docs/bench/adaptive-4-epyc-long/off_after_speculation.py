@@ -24,12 +24,14 @@ def ray_pids():
     return res
 
 def cpu(pids):
+    """Per process: (user + system CPU seconds, system seconds, minor page faults)."""
     t = {}
     for p in pids:
         try:
             f = open(f"/proc/{p}/stat").read().split(")")[1].split()
-            t[p] = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-        except Exception:
+            tick = os.sysconf("SC_CLK_TCK")
+            t[p] = ((int(f[11]) + int(f[12])) / tick, int(f[12]) / tick, int(f[7]))
+        except (OSError, IndexError, ValueError):
             pass
     return t
 
@@ -47,8 +49,10 @@ def phase(name, spec):
     pids = ray_pids(); c0 = cpu(pids); t0 = time.time()
     tok = wave(spec)
     dt = time.time() - t0; c1 = cpu(pids)
-    use = sorted(((c1.get(p, 0) - c0.get(p, 0), pids[p]) for p in pids), reverse=True)[:6]
-    print(f"{name}: {tok} tokens in {dt:.1f} s = {tok/dt:.2f} tok/s; cpu: " + "; ".join(f"{u:.1f}s {a}" for u, a in use), flush=True)
+    zero = (0.0, 0.0, 0)
+    use = sorted((tuple(b - a for a, b in zip(c0.get(p, zero), c1.get(p, zero))), pids[p]) for p in pids)[::-1][:4]
+    print(f"{name}: {tok} tokens in {dt:.1f} s = {tok/dt:.2f} tok/s; cpu s (system s, minor faults): "
+          + "; ".join(f"{u:.1f} ({sy:.1f}, {fl}) {a}" for (u, sy, fl), a in use), flush=True)
 
 for rep in range(2):
     phase("off", {"proposer": "none"})
