@@ -135,7 +135,7 @@ def test_chat2_asks_mt_bench_second_turns_after_the_targets_own_first_answers(tm
     firsts = [encode_prompt(tokenizer, q.text, chat=True) for q in questions]
     answers = replay.greedy_continuations(pair.target, firsts, 12, stop, quiet)
     assert all(len(a) == 12 for a in answers)  # the cut, not the answers' own end
-    texts = [tokenizer.decode(a, skip_special_tokens=True).strip() for a in answers]
+    texts = [tokenizer.decode(a, skip_special_tokens=True).strip() for a in answers]  # the trainer's answer_text
     expected = [second_turn_prompt(tokenizer, (q.text, q.follow_up), text) for q, text in zip(questions, texts)]
     assert [t.prompt for t in trajectories] == expected
     for t, q, text in zip(trajectories, questions, texts):

@@ -159,7 +159,7 @@ def second_turn_prompts(worker, tokenizer, questions, first_turns: Sequence[list
                         stop_ids: set[int], log=print) -> list[list[int]]:
     """MT-Bench's second turns (`Prompt.follow_up`), each asked after the target's own greedy
     answer to its question's first turn (`first_turns`, encoded), cut at FIRST_ANSWER_TOKENS."""
-    from specserve.heads.data import second_turn_prompt
+    from specserve.heads.data import answer_text, second_turn_prompt
 
     unpaired = [q.id for q in questions if q.follow_up is None]
     if unpaired:
@@ -167,7 +167,7 @@ def second_turn_prompts(worker, tokenizer, questions, first_turns: Sequence[list
     answers = cached_continuations(worker, cache_dir / f"{cache_stem}-answers-{FIRST_ANSWER_TOKENS}.json",
                                    [q.id for q in questions], first_turns, FIRST_ANSWER_TOKENS, stop_ids, log,
                                    what="first answers")
-    return [second_turn_prompt(tokenizer, (q.text, q.follow_up), tokenizer.decode(a, skip_special_tokens=True).strip())
+    return [second_turn_prompt(tokenizer, (q.text, q.follow_up), answer_text(tokenizer, a))
             for q, a in zip(questions, answers)]
 
 

@@ -224,6 +224,12 @@ def generation_prompts(tokenizer, seed: int = 0, *, stdlib_count: int = 400) -> 
     return generation_prompts_with_turns(tokenizer, seed, stdlib_count=stdlib_count)[0]
 
 
+def answer_text(tokenizer, token_ids: list[int]) -> str:
+    """What the target wrote, as the text a second turn follows (its end of text and other
+    special tokens left out): the trainer's conversations and replay's chat2 alike."""
+    return tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+
+
 def second_turn_prompt(tokenizer, turns: tuple[str, str], answer: str) -> list[int]:
     """The prompt for a question's second turn: its first turn, the target's own `answer` to it,
     then the second turn, through the chat template with the generation prompt (as plain text,

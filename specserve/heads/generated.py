@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from specserve.engine.torch_worker import MANY_ROWS, ForwardItem, TorchWorker
+from specserve.heads.data import answer_text
 
 
 @torch.inference_mode()
@@ -101,7 +102,7 @@ def continuation_text(tokenizer, states: dict[str, torch.Tensor], sequence: int)
     """What the target wrote in one sequence of `generate_states`' result, as text (its end of
     text and other special tokens left out)."""
     start, end = states["offsets"][sequence:sequence + 2].tolist()
-    return tokenizer.decode(states["greedy"][start:end].tolist(), skip_special_tokens=True).strip()
+    return answer_text(tokenizer, states["greedy"][start:end].tolist())
 
 
 def concat_states(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

