@@ -455,9 +455,10 @@ def test_service_passes_take_turns_and_add_up(monkeypatch, tmp_path):
     assert "passes 5.00, 20.00, 25.00 tok/s" in suite.report._service_notes(none_at_1.as_dict())
 
 
-def test_one_stream_takes_turns_prompt_by_prompt():
-    """At 1 stream each prompt gets its own A B C C B A turns, rotated from prompt to prompt (a
-    pass adds up its turns); at more streams a pass is a whole wave, A B C C B A."""
+def test_turns_go_wave_by_wave_rotated():
+    """Each wave of as many prompts as streams gets its own A B C C B A turns, rotated from wave
+    to wave (at 1 stream a wave is one prompt; a pass adds up its turns), so no system holds the
+    level's middle in every wave, and linear drift still lands on each alike."""
     from specserve.benchmarks.service import measuring_turns
 
     a, b, c = (systems.specserve_system(m, {}) for m in ("none", "draft", "ngram"))
@@ -465,13 +466,26 @@ def test_one_stream_takes_turns_prompt_by_prompt():
     assert [(s.name, p, prompts) for s, p, prompts in lone[:6]] == [
         (a.name, 0, [0]), (b.name, 0, [0]), (c.name, 0, [0]), (c.name, 1, [0]), (b.name, 1, [0]), (a.name, 1, [0])]
     assert [s.name for s, _, _ in lone[6:9]] == [b.name, c.name, a.name]  # rotated for prompt 1
-    for system in (a, b, c):  # every system sends every prompt once per pass
-        for p in (0, 1):
-            assert sorted(i for s, q, prompts in lone if s is system and q == p for i in prompts) == [0, 1, 2]
+    for streams, prompts in ((1, 3), (4, 8), (4, 10), (8, 8)):
+        turns = measuring_turns([a, b, c], 2, prompts, streams)
+        for system in (a, b, c):  # every system sends every prompt once per pass, a wave at a time
+            for p in (0, 1):
+                sent = [wave for s, q, wave in turns if s is system and q == p]
+                assert sorted(i for wave in sent for i in wave) == list(range(prompts))
+                assert all(len(wave) <= streams for wave in sent)
     waves = measuring_turns([a, b, c], 2, 8, 4)
-    assert [(s.name, p) for s, p, _ in waves] == [(a.name, 0), (b.name, 0), (c.name, 0),
-                                                  (c.name, 1), (b.name, 1), (a.name, 1)]
-    assert all(prompts == list(range(8)) for _, _, prompts in waves)
+    assert [(s.name, p, prompts) for s, p, prompts in waves] == [
+        (a.name, 0, [0, 1, 2, 3]), (b.name, 0, [0, 1, 2, 3]), (c.name, 0, [0, 1, 2, 3]),
+        (c.name, 1, [0, 1, 2, 3]), (b.name, 1, [0, 1, 2, 3]), (a.name, 1, [0, 1, 2, 3]),
+        (b.name, 0, [4, 5, 6, 7]), (c.name, 0, [4, 5, 6, 7]), (a.name, 0, [4, 5, 6, 7]),
+        (a.name, 1, [4, 5, 6, 7]), (c.name, 1, [4, 5, 6, 7]), (b.name, 1, [4, 5, 6, 7])]
+    positions = {s.name: sum(i for i, (t, _, _) in enumerate(waves) if t is s) for s in (a, b, c)}
+    assert len(set(positions.values())) == 1  # each system's mean position is the level's middle
+    middles = {waves[2][0].name, waves[8][0].name}  # the third turn of each wave: its middle
+    assert len(middles) == 2
+    one_wave = measuring_turns([a, b, c], 2, 8, 8)
+    assert [(s.name, p) for s, p, _ in one_wave] == [(a.name, 0), (b.name, 0), (c.name, 0),
+                                                     (c.name, 1), (b.name, 1), (a.name, 1)]
     run = systems.ServiceRun("x", "none", "code", 1)
     for p, tokens in ((0, 10), (1, 30), (0, 20)):
         run.add_to_pass(p, tokens, 2.0)

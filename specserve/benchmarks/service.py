@@ -118,7 +118,8 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
             stop_server(server)
 
 
-TURNS = "per wave of requests, A B .. B A; at 1 stream per prompt, A B .. B A, rotated from prompt to prompt"
+TURNS = ("per wave of as many requests as streams, A B .. B A, the order rotated from wave to wave "
+         "(at 1 stream a wave is one prompt)")
 
 
 def turn_count(systems: list[System], encoded: Encoded, *, concurrency: list[int], requests: int,
@@ -130,21 +131,24 @@ def turn_count(systems: list[System], encoded: Encoded, *, concurrency: list[int
 
 def measuring_turns(systems: list[System], repeats: int, prompts: int,
                     concurrency: int) -> list[tuple[System, int, list[int]]]:
-    """One level's measuring order: (system, pass, the prompts it sends) in turn. The systems
-    take turns A B .. B A, pass by pass, so drift over the level lands on each alike. One
-    stream sends its requests one at a time, so there a pass needs no whole wave: each prompt
-    gets its own turns, A B C C B A, the order rotated from prompt to prompt. Drift over minutes
-    then cancels within each prompt's turns (a wave of 8 requests at 1 stream takes ~2.5 min;
-    as A B C C B A waves, the middle system's passes took the level's middle 5 minutes, and on
-    identical rounds ran 6% slower than the system around it)."""
-    def order(pass_index: int, shift: int = 0) -> list[System]:
+    """One level's measuring order: (system, pass, the prompts it sends) in turn. The prompts go
+    in waves of `concurrency` (the last one may be short), and each wave gets its own turns,
+    A B C C B A over the passes, the order rotated from wave to wave; a pass adds up its turns.
+    A B .. B A cancels drift that is linear over the level; the rotation keeps one system from
+    holding the level's middle in every wave. Why: with whole passes as turns, the middle
+    system's passes took the level's middle minutes, and twice it ran the same work measurably
+    slower there: at 1 stream adaptive made always on's choices in every round with verify
+    passes 6% slower (a wave of 8 requests one after another there takes ~2.5 min), and at 4
+    streams with 256-token answers adaptive's off epochs ran the target's passes ~12-15% slower
+    than always off's (docs/bench/adaptive-4-epyc-long). One wave (prompts <= concurrency)
+    leaves nothing to rotate: its turns are A B C C B A."""
+    def order(pass_index: int, shift: int) -> list[System]:
         shift %= len(systems)
         rotated = systems[shift:] + systems[:shift]
         return rotated if pass_index % 2 == 0 else rotated[::-1]
 
-    if concurrency > 1 or prompts == 1:
-        return [(s, p, list(range(prompts))) for p in range(repeats) for s in order(p)]
-    return [(s, p, [i]) for i in range(prompts) for p in range(repeats) for s in order(p, i)]
+    waves = [list(range(start, min(start + concurrency, prompts))) for start in range(0, prompts, concurrency)]
+    return [(s, p, wave) for w, wave in enumerate(waves) for p in range(repeats) for s in order(p, w)]
 
 
 def speculation(system: System) -> dict | None:
