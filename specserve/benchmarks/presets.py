@@ -113,7 +113,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "adaptive": {
         "help": "make bench-adaptive: service mode through manifests/local.yaml at 1, 2, 4, 8 and 16 streams on code "
                 "and chat: speculation always off, always on (draft chain k=4) and adaptive (the load-aware policy, "
-                "0..4 draft tokens per round); 2 passes A B C C B A at each level, prompt by prompt at 1 stream (about "
+                "0..4 draft tokens per round); 2 passes A B C C B A at each level, wave by wave (a wave: as many prompts as "
+                "streams), rotated from wave to wave (about "
                 "110 minutes on a 2-core AMD EPYC)",
         "modes": ["service"], "workloads": ["code", "chat"], "prompts": 8, "max_tokens": 96, "service_requests": 8,
         "service_max_tokens": 64, "service_repeats": 2, "concurrency": [1, 2, 4, 8, 16],
