@@ -120,8 +120,9 @@ bench-hydra: models
 # length (no tokens/s) with chains, 8-32-node dynamic trees and the papers' 63-node mc_sim_7b_63,
 # on all 40 held-out HumanEval prompts and the 16 held-out MT-Bench questions, replayed from the
 # target's greedy continuations (about 15 minutes the first time on a 2-core CPU, continuations
-# then cached; 13 minutes after with the 63-node tree). Then MT-Bench's second turns of the same 16
-# questions (chat2), each asked after the target's own greedy first answer (not timed yet).
+# then cached; 13 minutes after with the 63-node tree). Chat is MT-Bench as it is run: the 16
+# questions' first turns (chat), their second turns (chat2), each asked after the target's own
+# greedy first answer, and both together (mtbench rows).
 REPLAY_TREES = chain budget=8,depth=4,width=2,min_score=0 budget=12,depth=4,width=3,min_score=0 \
 	budget=16,depth=4,width=4,min_score=0.05 budget=16,depth=4,width=4,min_score=0 \
 	budget=24,depth=4,width=6,min_score=0 budget=32,depth=4,width=8,min_score=0 shape=mc_sim_7b_63
@@ -129,10 +130,8 @@ replay-heads: models
 	mkdir -p bench-results/replay-heads
 	$(VENV)/bin/specserve replay-heads --workloads code --prompts 40 --trees $(REPLAY_TREES) \
 		--json bench-results/replay-heads/code40.json
-	$(VENV)/bin/specserve replay-heads --workloads chat --prompts 16 --trees $(REPLAY_TREES) \
-		--json bench-results/replay-heads/chat16.json
-	$(VENV)/bin/specserve replay-heads --workloads chat2 --prompts 16 --trees $(REPLAY_TREES) \
-		--json bench-results/replay-heads/chat2-16.json
+	$(VENV)/bin/specserve replay-heads --workloads chat chat2 --prompts 16 --trees $(REPLAY_TREES) \
+		--json bench-results/replay-heads/mtbench16.json
 
 # Each engine's speculative methods at their best, batch 1 (vLLM's Medusa runs the same heads).
 bench-speculative: models vllm-env

@@ -81,6 +81,29 @@ def test_replayed_accepted_length_is_the_decoders(method, shape):
     assert len(getattr(proposer, "contexts", ())) == 0  # the replay leaves no window behind
 
 
+def test_two_workloads_merged_are_one_replay_of_both():
+    """`mtbench` rows (chat and chat2 together) add two replays up: the same totals, per-depth
+    counts and accepted length as one replay of both sets of trajectories."""
+    from specserve.benchmarks.replay import BOTH_TURNS, result_row
+    from specserve.engine.torch_worker import TorchWorker
+
+    target = tiny_model("qwen2", seed=11)
+    proposer = head_proposer("hydra", target)
+    worker = TorchWorker(target)
+    continuations = greedy_continuations(worker, PROMPTS, 16, set(), log=lambda _: None)
+    trajectories = [Trajectory(p, c, hidden_along(worker, p, c)) for p, c in zip(PROMPTS, continuations)]
+    tree = TREES["dynamic"]
+    first, second = replay(proposer, tree, 3, trajectories[:2], 16), replay(proposer, tree, 3, trajectories[2:], 16)
+    both = replay(proposer, tree, 3, trajectories, 16)
+    merged = first.merged(second)
+    assert merged == both and sum(merged.accepted_at_depth) > 0
+    results = {("chat", "t", "medusa"): second, ("chat", "t", "hydra"): first, (BOTH_TURNS, "t", "hydra"): merged}
+    row = result_row(results, "chat", "t", "hydra")
+    assert row["vs_first"] == first.accepted_length / second.accepted_length  # against the first one replayed
+    assert (row["tokens"], row["passes"], row["rounds"]) == (first.tokens, first.passes, first.rounds)
+    assert row["line"].startswith("chat    hydra") and result_row(results, BOTH_TURNS, "t", "hydra")["vs_first"] == 1.0
+
+
 def test_the_cli_takes_a_static_shape_as_paths_or_by_name():
     import argparse
 

@@ -16,7 +16,8 @@ are confirmed with `specserve bench` (tokens/s and exactness).
 Workloads: `code` (HumanEval), `chat` (MT-Bench first turns) and `chat2` (MT-Bench second
 turns, as MT-Bench asks them: after the target's own greedy answer to the first turn, at most
 FIRST_ANSWER_TOKENS of it, as `specserve train-heads --chat-turns 2` builds its training
-conversations). Continuations (and chat2's first answers) are decoded once per (target,
+conversations); with both chat and chat2, `mtbench` rows add the two up (MT-Bench's accepted
+length over both turns of each question, as the papers report it). Continuations (and chat2's first answers) are decoded once per (target,
 workload, prompt, max_tokens) and cached under $SPECSERVE_HOME/replay. The rounds mirror the
 decoder's: the prefill yields the first token, each round commits its accepted tokens and the
 target's next one, up to max_tokens or a stop token; accepted length = tokens / target passes,
@@ -66,6 +67,14 @@ class ReplayResult:
             self.accepted_at_depth.append(0)
         for d in range(accepted):
             self.accepted_at_depth[d] += 1
+
+    def merged(self, other: ReplayResult) -> ReplayResult:
+        """Both results' rounds as one replay (e.g. MT-Bench's two turns)."""
+        depth = max(len(self.accepted_at_depth), len(other.accepted_at_depth))
+        at_depth = [sum(r.accepted_at_depth[d] for r in (self, other) if d < len(r.accepted_at_depth))
+                    for d in range(depth)]
+        return ReplayResult(self.tokens + other.tokens, self.passes + other.passes, self.nodes + other.nodes,
+                            self.rounds + other.rounds, at_depth)
 
 
 def replay(proposer, spec: TreeSpec | None, k: int, trajectories: Sequence[Trajectory], max_tokens: int) -> ReplayResult:
@@ -223,6 +232,25 @@ def parse_tree(text: str) -> TreeSpec | None:
     return TreeSpec(**fields)
 
 
+BOTH_TURNS = "mtbench"  # chat and chat2 together: MT-Bench's accepted length over both turns
+
+
+def result_row(results: dict[tuple[str, str, str], ReplayResult], workload: str, tree: str, method: str) -> dict:
+    """One replay's row, against the first method replayed on the same workload and tree
+    (`vs_first`), with its totals (so workloads can be added up later) and its printed line."""
+    r = results[workload, tree, method]
+    first_method, first = next((m, x) for (w, t, m), x in results.items() if w == workload and t == tree)
+    row = {"workload": workload, "tree": tree, "method": method, "accepted_length": r.accepted_length,
+           "nodes_per_round": r.nodes / max(r.rounds, 1),
+           "accepted_at_depth": [a / max(r.rounds, 1) for a in r.accepted_at_depth],
+           "tokens": r.tokens, "passes": r.passes, "rounds": r.rounds,
+           "vs_first": r.accepted_length / first.accepted_length if first.accepted_length else 0.0}
+    row["line"] = (f"{workload:7} {method:9} {tree:45} accepted length {r.accepted_length:.3f}  "
+                   f"({row['vs_first']:.3f}x {first_method})  nodes/round {row['nodes_per_round']:.1f}  reached "
+                   + " ".join(f"{a:.2f}" for a in row["accepted_at_depth"]))
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve replay-heads", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
@@ -254,23 +282,22 @@ def main(argv: list[str] | None = None) -> int:
     pair = load_pair(args.target, dtype="float32", release_model_weights=True)
     pair.add_heads([require_heads(args.target, "default", h) if h in HEAD_METHODS else Path(h) for h in heads])
     stop_ids = set(pair.eos_token_ids)
-    rows = []
+    results: dict[tuple[str, str, str], ReplayResult] = {}
     for workload in args.workloads:
         trajectories = load_trajectories(pair.target, pair.tokenizer, args.target, workload, args.prompts, args.skip,
                                          args.max_tokens, stop_ids)
         for tree_text, spec in trees:
             for method, proposer in pair.heads_by_method.items():
                 k = proposer.num_heads if spec is None else min(spec.depth, proposer.num_heads)
-                r = replay(proposer, spec, k, trajectories, args.max_tokens)
-                row = {"workload": workload, "tree": tree_text, "method": method, "accepted_length": r.accepted_length,
-                       "nodes_per_round": r.nodes / max(r.rounds, 1), "accepted_at_depth":
-                       [a / max(r.rounds, 1) for a in r.accepted_at_depth]}
-                rows.append(row)
-                first = next(x for x in rows if x["workload"] == workload and x["tree"] == tree_text)
-                row["vs_first"] = r.accepted_length / first["accepted_length"]
-                print(f"{workload:5} {method:9} {tree_text:45} accepted length {r.accepted_length:.3f}  "
-                      f"({row['vs_first']:.3f}x {first['method']})  nodes/round {row['nodes_per_round']:.1f}  reached " +
-                      " ".join(f"{a:.2f}" for a in row["accepted_at_depth"]), flush=True)
+                results[workload, tree_text, method] = replay(proposer, spec, k, trajectories, args.max_tokens)
+                print(result_row(results, workload, tree_text, method)["line"], flush=True)
+    if {"chat", "chat2"} <= set(args.workloads):  # MT-Bench as it is run: both turns of each question
+        for tree_text, _ in trees:
+            for method in pair.heads_by_method:
+                results[BOTH_TURNS, tree_text, method] = results["chat", tree_text, method].merged(
+                    results["chat2", tree_text, method])
+                print(result_row(results, BOTH_TURNS, tree_text, method)["line"], flush=True)
+    rows = [{k: v for k, v in result_row(results, *key).items() if k != "line"} for key in results]
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
