@@ -17,8 +17,9 @@ Workloads: `code` (HumanEval), `chat` (MT-Bench first turns) and `chat2` (MT-Ben
 turns, as MT-Bench asks them: after the target's own greedy answer to the first turn, at most
 FIRST_ANSWER_TOKENS of it, as `specserve train-heads --chat-turns 2` builds its training
 conversations); with both chat and chat2, `mtbench` rows add the two up (MT-Bench's accepted
-length over both turns of each question, as the papers report it). Continuations (and chat2's first answers) are decoded once per (target,
-workload, prompt, max_tokens) and cached under $SPECSERVE_HOME/replay. The rounds mirror the
+length over both turns of each question, as the papers report it). Continuations (and chat2's
+first answers) are decoded once per (target, workload, prompt, max_tokens) and cached under
+$SPECSERVE_HOME/replay. The rounds mirror the
 decoder's: the prefill yields the first token, each round commits its accepted tokens and the
 target's next one, up to max_tokens or a stop token; accepted length = tokens / target passes,
 as `specserve bench` reports it.
