@@ -19,10 +19,9 @@ FIRST_ANSWER_TOKENS of it, as `specserve train-heads --chat-turns 2` builds its 
 conversations); with both chat and chat2, `mtbench` rows add the two up (MT-Bench's accepted
 length over both turns of each question, as the papers report it). Continuations (and chat2's
 first answers) are decoded once per (target, workload, prompt, max_tokens) and cached under
-$SPECSERVE_HOME/replay. The rounds mirror the
-decoder's: the prefill yields the first token, each round commits its accepted tokens and the
-target's next one, up to max_tokens or a stop token; accepted length = tokens / target passes,
-as `specserve bench` reports it.
+$SPECSERVE_HOME/replay. The rounds mirror the decoder's: the prefill yields the first token,
+each round commits its accepted tokens and the target's next one, up to max_tokens or a stop
+token; accepted length = tokens / target passes, as `specserve bench` reports it.
 """
 
 from __future__ import annotations
@@ -284,21 +283,26 @@ def main(argv: list[str] | None = None) -> int:
     pair.add_heads([require_heads(args.target, "default", h) if h in HEAD_METHODS else Path(h) for h in heads])
     stop_ids = set(pair.eos_token_ids)
     results: dict[tuple[str, str, str], ReplayResult] = {}
+    rows = []
+
+    def record(key: tuple[str, str, str], result: ReplayResult) -> None:
+        results[key] = result
+        row = result_row(results, *key)
+        print(row.pop("line"), flush=True)
+        rows.append(row)
+
     for workload in args.workloads:
         trajectories = load_trajectories(pair.target, pair.tokenizer, args.target, workload, args.prompts, args.skip,
                                          args.max_tokens, stop_ids)
         for tree_text, spec in trees:
             for method, proposer in pair.heads_by_method.items():
                 k = proposer.num_heads if spec is None else min(spec.depth, proposer.num_heads)
-                results[workload, tree_text, method] = replay(proposer, spec, k, trajectories, args.max_tokens)
-                print(result_row(results, workload, tree_text, method)["line"], flush=True)
+                record((workload, tree_text, method), replay(proposer, spec, k, trajectories, args.max_tokens))
     if {"chat", "chat2"} <= set(args.workloads):  # MT-Bench as it is run: both turns of each question
         for tree_text, _ in trees:
             for method in pair.heads_by_method:
-                results[BOTH_TURNS, tree_text, method] = results["chat", tree_text, method].merged(
-                    results["chat2", tree_text, method])
-                print(result_row(results, BOTH_TURNS, tree_text, method)["line"], flush=True)
-    rows = [{k: v for k, v in result_row(results, *key).items() if k != "line"} for key in results]
+                record((BOTH_TURNS, tree_text, method),
+                       results["chat", tree_text, method].merged(results["chat2", tree_text, method]))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
