@@ -1,6 +1,7 @@
 """The static-shape passes that CUDA graphs replay, run eagerly on the CPU: the same logits and
-hidden states as the ragged pass, greedy speculation still exact, and the passes that cannot
-take a static shape (prefill, trees) left to the ragged pass."""
+hidden states as the ragged pass (decode steps, chains, trees, a draft's tree extensions),
+greedy speculation still exact, and the passes that cannot take a static shape (prefill
+chunks, too many rows) left to the ragged pass."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from conftest import hf_greedy, perturbed, tiny_model
-from specserve.engine.cuda_graphs import (MIN_CONTEXT, Shape, StaticPasses, bucket, context_bucket,
+from specserve.engine.cuda_graphs import (MAX_ROWS, MIN_CONTEXT, Shape, StaticPasses, bucket, context_bucket,
                                           static_shape)
 from specserve.engine.torch_worker import ForwardItem, TorchWorker
 from specserve.protocol import SpecserveError, TokenTree
@@ -43,7 +44,7 @@ def assert_same_rows(static_rows, ragged_rows):
 
 @pytest.mark.parametrize("batch", [1, 3, 5])
 def test_decode_steps_equal_the_ragged_pass(model, batch):
-    sequences = random_sequences([12 + 37 * i for i in range(batch)], seed=batch)
+    sequences = random_sequences([70 + 37 * i for i in range(batch)], seed=batch)  # prefills past 64 tokens
     names = [f"r{i}" for i in range(batch)]
     static, ragged = static_worker(model), TorchWorker(model)
     for step in range(4):  # a prefill (ragged in both), then decode steps (static in one)
@@ -71,7 +72,7 @@ def test_contexts_past_the_first_bucket_and_past_the_limit(model):
 
 
 def test_chain_verify_passes_of_mixed_lengths_equal_the_ragged_pass(model):
-    sequences = random_sequences([9, 30, 17], seed=11)
+    sequences = random_sequences([69, 90, 77], seed=11)  # prefills past 64 tokens: ragged
     names = ["a", "b", "c"]
     static, ragged = static_worker(model), TorchWorker(model)
     for worker in (static, ragged):
@@ -91,7 +92,7 @@ def test_chain_verify_passes_of_mixed_lengths_equal_the_ragged_pass(model):
 def test_a_drafts_chain_extensions_equal_the_ragged_pass(model):
     """A draft grows its chain one node per pass (logits_from): the nodes already fed stay
     cached, and each pass feeds one new node."""
-    [sequence] = random_sequences([20], seed=12)
+    [sequence] = random_sequences([80], seed=12)
     static, ragged = static_worker(model), TorchWorker(model)
     for worker in (static, ragged):
         worker.run([ForwardItem("d", sequence)])
@@ -99,21 +100,58 @@ def test_a_drafts_chain_extensions_equal_the_ragged_pass(model):
         item = [ForwardItem("d", sequence, TokenTree.chain(list(range(10, 10 + depth))), logits_from=depth - 1)]
         assert_same_rows(static.run(item), ragged.run(item))
     assert static.static_passes.eager_passes == 3
+    assert set(static.static_passes._buffers) == {Shape(1, 1, 256, 1)}  # the shape of a decode step
 
 
-def test_trees_and_prefill_chunks_run_the_ragged_pass(model):
-    sequences = random_sequences([12, 40], seed=13)
+def test_tree_verify_passes_equal_the_ragged_pass(model):
+    """Trees beside a chain and a decode step in one pass, then the next round after each
+    request's accepted path (the pending tree compacted)."""
+    sequences = random_sequences([72, 100, 67], seed=13)
+    names = ["a", "b", "c"]
     static, ragged = static_worker(model), TorchWorker(model)
-    tree = TokenTree((11, 12, 13), (-1, -1, 0))
+    for worker in (static, ragged):
+        worker.run([ForwardItem(n, s) for n, s in zip(names, sequences)])
+    trees = [TokenTree((11, 12, 13, 14, 15), (-1, -1, 0, 0, 2)), TokenTree.chain([7, 8]), TokenTree()]
+    items = [ForwardItem(n, s, t) for n, s, t in zip(names, sequences, trees)]
+    assert_same_rows(static.run(items), ragged.run(items))
+    accepted = [sequences[0] + [11, 13, 15, 9], sequences[1] + [7, 2], sequences[2] + [4]]
+    wide = TokenTree(tuple(range(20, 52)), tuple([-1] * 4 + [i // 4 - 1 for i in range(4, 32)]))  # 32 nodes
+    items = [ForwardItem(n, s, t) for n, s, t in zip(names, accepted, [wide, TokenTree((5, 6), (-1, -1)), wide])]
+    assert_same_rows(static.run(items), ragged.run(items))
+    assert static.static_passes.eager_passes == 2
+    assert static.cached_tokens("a") == ragged.cached_tokens("a")
+
+
+def test_a_drafts_tree_extensions_equal_the_ragged_pass(model):
+    """A draft grows a tree level by level (logits_from): each pass feeds one level, which sees
+    its ancestors among the cached nodes and not their siblings."""
+    [sequence] = random_sequences([80], seed=12)
+    static, ragged = static_worker(model), TorchWorker(model)
+    for worker in (static, ragged):
+        worker.run([ForwardItem("d", sequence)])
+    levels = [TokenTree((10, 11), (-1, -1)), TokenTree((10, 11, 12, 13, 14), (-1, -1, 0, 0, 1)),
+              TokenTree((10, 11, 12, 13, 14, 15, 16), (-1, -1, 0, 0, 1, 2, 4))]
+    logits_from = [0, 2, 5]
+    for tree, first in zip(levels, logits_from):
+        item = [ForwardItem("d", sequence, tree, logits_from=first)]
+        assert_same_rows(static.run(item), ragged.run(item))
+    assert static.static_passes.eager_passes == 3
+
+
+def test_prefill_chunks_and_passes_over_the_row_limit_run_the_ragged_pass(model):
+    sequences = random_sequences([72, 40], seed=13)
+    static, ragged = static_worker(model), TorchWorker(model)
     for worker in (static, ragged):
         worker.run([ForwardItem("a", sequences[0])])
         worker.queue_prefill("b", sequences[1])
-    items = [ForwardItem("a", sequences[0], tree)]
-    assert_same_rows(static.run(items), ragged.run(items))  # a tree, and a prefill chunk
-    items = [ForwardItem("a", sequences[0] + [11, 13])]  # the tree's path 11, 13 accepted
-    assert_same_rows(static.run(items), ragged.run(items))
-    assert static.static_passes.eager_passes == 1  # only the last pass
+    items = [ForwardItem("a", sequences[0] + [5])]
+    assert_same_rows(static.run(items), ragged.run(items))  # a decode step beside a prefill chunk
+    assert static.static_passes.eager_passes == 0
     assert static.cached_tokens("b") == sequences[1]
+    big = TokenTree(tuple(i % 90 for i in range(100)), tuple(range(-1, 99)))  # 101 new tokens: past the largest bucket
+    items = [ForwardItem("a", sequences[0] + [5, 6], big)]
+    assert_same_rows(static.run(items), ragged.run(items))
+    assert static.static_passes.eager_passes == 0
 
 
 def test_greedy_speculation_over_static_passes_equals_target_only_output(model):
@@ -133,6 +171,26 @@ def test_greedy_speculation_over_static_passes_equals_target_only_output(model):
     assert target_worker.static_passes.eager_passes > 0 and draft_worker.static_passes.eager_passes > 0
 
 
+def test_greedy_tree_speculation_over_static_passes_equals_target_only_output(model):
+    from specserve.decoder import SpeculativeDecoder
+    from specserve.proposers.draft_model import DraftModelProposer
+    from specserve.protocol import SamplingParams, Speculation, TreeSpec
+    from specserve.verifier import Verifier
+
+    draft = perturbed(model, scale=0.05)
+    target_worker, draft_worker = static_worker(model), static_worker(draft)
+    speculation = Speculation(proposer="draft", shape="tree", tree=TreeSpec(shape=((0,), (1,), (0, 0), (0, 1), (1, 0),
+                                                                                    (0, 0, 0))))
+    decoder = SpeculativeDecoder(Verifier(target_worker), DraftModelProposer(draft_worker, min_confidence=0.0),
+                                 speculation=speculation, max_context=model.config.max_position_embeddings)
+    prompts = random_sequences([6, 15, 9], seed=15)
+    outputs = [g.token_ids for g in decoder.generate(prompts, SamplingParams(max_tokens=20))]
+    assert outputs == [hf_greedy(model, p, 20) for p in prompts]
+    assert decoder.last_report.stats.mean_accepted_length > 1
+    # every verify and draft pass after the prefills ran static
+    assert target_worker.static_passes.eager_passes > 0 and draft_worker.static_passes.eager_passes > 0
+
+
 def test_shapes_are_bucketed():
     assert [bucket(n, (1, 2, 4, 8, 16)) for n in (1, 3, 5, 16, 17)] == [1, 4, 8, 16, None]
     assert [context_bucket(n, 8192) for n in (1, 256, 257, 8192, 8193)] == [256, 256, 512, 8192, None]
@@ -141,16 +199,19 @@ def test_shapes_are_bucketed():
 def test_shape_of_a_pass():
     worker = TorchWorker(tiny_model(seed=1))
     plans = [worker._plan(ForwardItem(f"r{i}", [1] * (3 + i))) for i in range(3)]
-    assert static_shape(plans, max_context=512) == Shape(batch=4, tokens=8, context=256)  # short prompts
-    assert static_shape(plans + [worker._plan(ForwardItem("long", [1] * 9))], max_context=512) is None
+    assert static_shape(plans, max_context=512) == Shape(batch=4, tokens=8, context=256, span=8)  # short prompts
+    assert static_shape(plans + [worker._plan(ForwardItem("long", [1] * 9))], max_context=512).tokens == 16
+    assert static_shape(plans + [worker._plan(ForwardItem("long", [1] * 65))], max_context=512) is None
+    many = [worker._plan(ForwardItem(f"m{i}", [1] * 20)) for i in range(9)]  # 16 requests of 32 rows
+    assert 16 * 32 > MAX_ROWS and static_shape(many, max_context=512) is None
     worker._reserve(plans, {"r0", "r1", "r2"})
     for i, plan in enumerate(plans):
         plan.entry.tokens = [1] * (3 + i)
     plans = [worker._plan(ForwardItem(f"r{i}", [1] * (4 + i))) for i in range(3)]
-    assert static_shape(plans, max_context=512) == Shape(batch=4, tokens=1, context=256)
+    assert static_shape(plans, max_context=512) == Shape(batch=4, tokens=1, context=256, span=1)
     tree = worker._plan(ForwardItem("r0", [1] * 4, TokenTree((5, 6), (-1, -1))))
-    assert static_shape([tree], max_context=512) is None
-    assert Shape(4, 2, 256).rows == 8
+    assert static_shape([tree], max_context=512) == Shape(batch=1, tokens=4, context=256, span=4)  # last token + 2
+    assert Shape(4, 2, 256, 2).rows == 8
 
 
 def test_cuda_graphs_are_off_on_cpu_and_refused_there():
@@ -162,10 +223,12 @@ def test_cuda_graphs_are_off_on_cpu_and_refused_there():
 
 def test_scratch_slots_belong_to_no_request():
     model = tiny_model(seed=2)
-    worker = TorchWorker(model, max_cached_tokens=16 * 12)
+    worker = TorchWorker(model, max_cached_tokens=16 * 24)
     free = worker.kv.free_blocks
     passes = StaticPasses(worker, capture=False)
-    assert worker.kv.free_blocks == free - 8  # 16 requests x 8 tokens of padding rows
+    assert worker.kv.free_blocks == free - 16  # MAX_ROWS (256) rows of padding, 16 a block
+    with pytest.raises(SpecserveError, match="too small for CUDA graphs"):
+        StaticPasses(TorchWorker(model, max_cached_tokens=16 * 16), capture=False)
     passes.release()
     assert worker.kv.free_blocks == free
 

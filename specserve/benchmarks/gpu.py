@@ -443,7 +443,8 @@ def profile_tables(run, device: str) -> str:
 
 def time_end_to_end(models: dict, plan: Plan, *, device: str) -> list[dict]:
     """Batch 1 tokens/s of target only against draft k=4 (random draft, self draft) and the
-    other speculative cases, one random prompt, `e2e_tokens` new tokens, after a short warm run."""
+    other speculative cases, one random prompt, `e2e_tokens` new tokens, after a warm run of
+    the same length (CUDA graphs capture each shape the first time it runs)."""
     from specserve.engine.torch_worker import TorchWorker
     from specserve.protocol import SamplingParams
 
@@ -456,9 +457,10 @@ def time_end_to_end(models: dict, plan: Plan, *, device: str) -> list[dict]:
         decoder = make_decoder(target_worker, proposer_workers.get(source),
                                models["heads"] if source == "heads" else None, speculation=spec,
                                max_context=target.config.max_position_embeddings)
-        decoder.generate(prompts, SamplingParams(max_tokens=8))  # warm
+        params = SamplingParams(max_tokens=plan.e2e_tokens)
+        decoder.generate(prompts, params)  # warm
         synchronize(device)
-        [generation] = decoder.generate(prompts, SamplingParams(max_tokens=plan.e2e_tokens))
+        [generation] = decoder.generate(prompts, params)
         report = decoder.last_report
         baseline = baseline or report.tokens_per_second
         rows.append({"case": case, "tokens_per_s": round(report.tokens_per_second, 1),
@@ -472,7 +474,8 @@ def time_end_to_end(models: dict, plan: Plan, *, device: str) -> list[dict]:
 
 # ---- CUDA graphs ------------------------------------------------------------------------
 
-GRAPH_CASES = ("target only", "self chain k=4", "draft chain k=4")
+GRAPH_CASES = ("target only", "self chain k=4", "draft chain k=4", "self tree (8 nodes)", "draft tree (8 nodes)")
+GRAPH_TREE_NODES = (8, 16, 63)  # 63: the size of Medusa's and Hydra's own tree (mc_sim_7b_63)
 
 
 def eager_worker(model):
@@ -523,8 +526,8 @@ def compare_decode_steps(model, batch: int, plan: Plan, *, device: str) -> dict:
 
 
 def check_graph_exactness(models: dict, plan: Plan, *, device: str) -> dict:
-    """float32: decode-step logits against the eager pass, and greedy outputs (target only,
-    self chain k=4, draft chain k=4) over graph workers against eager target-only output."""
+    """float32: decode-step logits against the eager pass, and greedy outputs (GRAPH_CASES:
+    chains and trees) over graph workers against eager target-only output."""
     from specserve.protocol import SamplingParams
 
     target, draft = models["target"], models["draft"]
@@ -557,10 +560,11 @@ def check_graph_exactness(models: dict, plan: Plan, *, device: str) -> dict:
 
 
 def time_graphs(models: dict, plan: Plan, *, device: str) -> dict:
-    """bfloat16 decode steps and a batch-1 chain verify pass (4 drafts), eager against graph."""
+    """bfloat16 decode steps, a batch-1 chain verify pass (4 drafts) and tree verify passes,
+    eager against graph."""
     target = models["target"]
-    out = {"dtype": "bfloat16", "context": plan.context, "decode": {}, "verify_chain_4": {}, "kernels": {},
-           "graph_worker": None}
+    out = {"dtype": "bfloat16", "context": plan.context, "decode": {}, "verify_chain_4": {}, "verify_trees": {},
+           "kernels": {}, "graph_worker": None}
     for mode in ("eager", "graph"):
         worker = eager_worker(target) if mode == "eager" else graph_worker(target, device)
         for batch in plan.batches:
@@ -574,6 +578,11 @@ def time_graphs(models: dict, plan: Plan, *, device: str) -> dict:
                                                          device=device))
         log(f"graphs timing, {mode:5s} chain verify (5 tokens), batch 1: "
             f"{out['verify_chain_4'][mode]['median_ms']:.2f} ms")
+        for nodes in GRAPH_TREE_NODES:
+            verify = engine_verify_pass(worker, balanced_tree(nodes), plan.context, seed=30 + nodes)
+            stats = out["verify_trees"].setdefault(nodes, {})[mode] = summarize_ms(
+                timed(verify, repeats=plan.steps, warmup=plan.warmup, device=device))
+            log(f"graphs timing, {mode:5s} tree verify ({nodes} nodes), batch 1: {stats['median_ms']:.2f} ms")
         out["kernels"][mode] = kernels_per_call(engine_decode_stepper(worker, 1, plan.context, seed=50), device)
         if mode == "graph":
             out["graph_worker"] = static_pass_stats(worker)
@@ -644,6 +653,8 @@ def graphs_markdown(graphs: dict) -> list[str]:
         v = timing["verify_chain_4"]
         lines.append(f"| chain verify (4 drafts, 5 tokens), batch 1 | {cell(v.get('eager'))} | "
                      f"{cell(v.get('graph'))} | - | - |")
+        lines += [f"| tree verify ({nodes} nodes), batch 1 | {cell(v.get('eager'))} | {cell(v.get('graph'))} | - | - |"
+                  for nodes, v in timing.get("verify_trees", {}).items()]
         lines += ["", "| one batch-1 decode step | CUDA kernels | GPU busy ms |", "|---|---|---|"]
         lines += [f"| {mode} | {k.get('kernels', '-')} | {k.get('gpu_busy_ms', k.get('error', '-'))} |"
                   for mode, k in timing["kernels"].items() if k]

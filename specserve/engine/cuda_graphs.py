@@ -6,17 +6,22 @@ pass with one launch, but it needs every tensor's shape and address fixed at cap
 passes that fit a `Shape` run a padded, static-shape version of the pass:
 
 - `batch` requests, bucketed (1, 2, 4, 8, 16): missing requests are padding;
-- `tokens` new tokens per request, bucketed (1, 2, 4, 8): decode steps, chain verify passes and
-  a draft's chain steps. A request with fewer tokens is padded;
+- `tokens` new tokens per request, bucketed (1, 2, 4, ... 64), at most MAX_ROWS rows in all:
+  decode steps, chain and tree verify passes (a Medusa tree of 63 nodes and its root is 64),
+  a draft's chain and tree steps. A request with fewer tokens is padded;
 - `context` KV positions read per request (a power of two >= 256): every request reads its
-  slots through a padded [batch, context] slot table, and a key at position p is visible to a
-  token at position q when p <= q. That is exactly the pass's own mask when the new tokens
-  form a chain (`is_chain_plan`); trees and prefill chunks run the ragged pass.
+  slots through a padded [batch, context] slot table;
+- `span` the cache window whose visibility is not "all of it": the new tokens, after the
+  cached nodes of a tree being extended (`_Plan.cached_tree_mask`). Every key before the
+  window is visible; inside it a [tokens, span] mask per request says which (a causal
+  triangle for a chain, ancestors for a tree); none after it.
 
 Padding rows write their keys and values to scratch slots of the slab that no request owns,
-and padding requests read them; no real token ever sees a scratch slot (they lie past every
-request's own slots, and positions past a request's length are masked). Inputs, positions,
-write slots and the slot table are copied into static buffers before each replay.
+and see the first key of their request's window (padding requests: a scratch slot); no real
+token ever sees a scratch slot. Keys a row does not see are still read (the slot table is
+padded), so the slab's free blocks are zeroed once: a masked key's weight is 0, and 0 * NaN
+from never-written memory would not be. Inputs, positions, write slots, the slot table and
+the window masks are copied into static buffers before each replay.
 
 The same static pass runs eagerly without capture (on CPU too): that is how its exactness
 against the ragged pass is tested on machines without a GPU (tests/test_cuda_graphs.py).
@@ -34,10 +39,12 @@ from specserve.engine.torch_worker import Rows
 from specserve.protocol import SpecserveError
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
-TOKEN_BUCKETS = (1, 2, 4, 8)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+SPAN_BUCKETS = TOKEN_BUCKETS + (128,)  # new tokens plus a tree's cached nodes
+MAX_ROWS = 256  # batch * tokens: 16 decode rows of 16, or 4 trees of 64 (each shape keeps [rows, V] logits)
 MIN_CONTEXT = 256  # smallest context bucket: shorter contexts share one graph
 DEFAULT_MAX_CONTEXT = 8192  # longer contexts run the ragged pass (the padded gather grows)
-DEFAULT_MAX_GRAPHS = 48  # shapes captured at most; others run the ragged pass
+DEFAULT_MAX_GRAPHS = 96  # shapes captured at most; others run the ragged pass
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class Shape:
     batch: int  # requests, padding included
     tokens: int  # new tokens per request, padding included
     context: int  # KV positions each request reads
+    span: int  # the masked window's width: new tokens plus a tree's cached nodes, bucketed
 
     @property
     def rows(self) -> int:
@@ -62,41 +70,60 @@ def context_bucket(length: int, max_context: int) -> int | None:
     return size if size <= max_context else None
 
 
-def is_chain_plan(plan) -> bool:
-    """Whether a plan's new tokens form a chain right after its cached positions: token i at
-    position start + i sees every position up to its own. Then its mask is `p <= position`."""
-    t = len(plan.input_ids)
-    if plan.first_logit_row < 0 or plan.positions != list(range(plan.start, plan.start + t)):
-        return False
-    if t > 1 and not np.array_equal(plan.local_mask, np.tril(np.ones((t, t), dtype=bool))):
-        return False
-    return plan.cached_tree_mask is None or bool(plan.cached_tree_mask.all())
+def cached_tree_nodes(plan) -> int:
+    """How many cached tree nodes before a plan's new tokens its window must cover: none
+    when every new token sees all of them (a chain's extension), as it sees the sequence."""
+    cached = plan.cached_tree_mask
+    return 0 if cached is None or cached.all() else cached.shape[1]
+
+
+def window_mask(plan) -> np.ndarray:
+    """[t, r + t] bool: what each of a plan's t new tokens sees among the r cached tree nodes
+    before them and the new tokens; every position before those is visible
+    (`torch_worker.attention_mask`'s last r + t columns)."""
+    r = cached_tree_nodes(plan)
+    return np.concatenate([plan.cached_tree_mask, plan.local_mask], axis=1) if r else plan.local_mask
+
+
+def window_start(plan) -> int:
+    return plan.start - cached_tree_nodes(plan)
 
 
 def static_shape(plans, *, max_context: int) -> Shape | None:
-    """The shape a pass pads to, None when it must run ragged (a prefill chunk, a tree, too
-    many tokens, requests or positions)."""
+    """The shape a pass pads to, None when it must run ragged (a prefill chunk, too many new
+    tokens, rows, requests or positions)."""
+    if any(p.first_logit_row < 0 for p in plans):  # a prefill chunk returns no rows
+        return None
     batch = bucket(len(plans), BATCH_BUCKETS)
     tokens = bucket(max(len(p.input_ids) for p in plans), TOKEN_BUCKETS)
-    if batch is None or tokens is None or not all(is_chain_plan(p) for p in plans):
+    span = bucket(max(p.start + len(p.input_ids) - window_start(p) for p in plans), SPAN_BUCKETS)
+    if batch is None or tokens is None or span is None or batch * tokens > MAX_ROWS:
         return None
     context = context_bucket(max(p.start + len(p.input_ids) for p in plans), max_context)
-    return None if context is None else Shape(batch, tokens, context)
+    return None if context is None else Shape(batch, tokens, context, span)
 
 
 @dataclass
 class _Buffers:
-    """A shape's static inputs: the tensors a captured graph reads."""
+    """A shape's static inputs: the tensors a captured graph reads. The ones that come from the
+    host are views of one tensor (`host`), so a pass copies them in with one transfer."""
 
+    host: torch.Tensor  # [2 * rows + batch + batch * tokens * span] int64: the views below
     input_ids: torch.Tensor  # [rows]
     positions: torch.Tensor  # [rows]
+    window_starts: torch.Tensor  # [batch] first position of each request's masked window
+    windows: torch.Tensor  # [batch, tokens, span] 0/1: which window positions each row sees
     writes: torch.Tensor  # [rows] slab slot each new token's key and value go to
     reads: torch.Tensor  # [batch, context] slab slot of each position a request reads
 
     @classmethod
     def empty(cls, shape: Shape, device) -> _Buffers:
-        rows = torch.zeros(3, shape.rows, dtype=torch.long, device=device)
-        return cls(rows[0], rows[1], rows[2], torch.zeros(shape.batch, shape.context, dtype=torch.long, device=device))
+        window = shape.batch * shape.tokens * shape.span
+        host = torch.zeros(2 * shape.rows + shape.batch + window, dtype=torch.long, device=device)
+        input_ids, positions, starts, windows = host.split([shape.rows, shape.rows, shape.batch, window])
+        return cls(host, input_ids, positions, starts, windows.view(shape.batch, shape.tokens, shape.span),
+                   torch.zeros(shape.rows, dtype=torch.long, device=device),
+                   torch.zeros(shape.batch, shape.context, dtype=torch.long, device=device))
 
 
 @dataclass
@@ -121,12 +148,12 @@ class StaticPasses:
         self.max_graphs = max_graphs
         device = worker.device
         # Scratch slots for padding rows, one per row of the largest shape: never a request's.
-        max_rows = BATCH_BUCKETS[-1] * TOKEN_BUCKETS[-1]
-        if worker.kv.free_blocks <= worker.kv.blocks_for(max_rows):
+        if worker.kv.free_blocks <= worker.kv.blocks_for(MAX_ROWS):
             raise SpecserveError(f"the KV cache ({worker.kv.capacity_tokens} tokens) is too small for CUDA graphs, "
-                                 f"which keep {max_rows} scratch slots: raise it or turn cuda_graphs off")
-        self._scratch_blocks, scratch = worker.kv.allocate(worker.kv.blocks_for(max_rows))
-        self._scratch = scratch[:max_rows]
+                                 f"which keep {MAX_ROWS} scratch slots: raise it or turn cuda_graphs off")
+        worker.kv.zero_free_blocks()  # masked keys are read too: no NaN may lie there
+        self._scratch_blocks, scratch = worker.kv.allocate(worker.kv.blocks_for(MAX_ROWS))
+        self._scratch = scratch[:MAX_ROWS]
         self._padding_reads = scratch[:1].expand(max_context)
         # The rotary tables and key positions the graphs read: held here, so the worker
         # growing its own tables never frees memory a graph points to.
@@ -168,21 +195,27 @@ class StaticPasses:
         return self._rows(plans, shape, logits, hidden)
 
     def _fill(self, buffers: _Buffers, shape: Shape, plans) -> None:
-        """Copy the pass's inputs into the shape's static buffers (padding rows: token 0 at
-        position 0, written to their own scratch slots)."""
-        ids = np.zeros((2, shape.batch, shape.tokens), dtype=np.int64)
-        writes = [self._scratch[: shape.rows].view(shape.batch, shape.tokens)[b] for b in range(shape.batch)]
-        reads = [self._padding_reads[: shape.context]] * shape.batch
+        """Copy the pass's inputs into the shape's static buffers. Padding rows feed token 0 at
+        position 0, write to their own scratch slots and see their window's first key."""
+        rows, batch = shape.rows, shape.batch
+        host = np.zeros(buffers.host.shape[0], dtype=np.int64)
+        ids = host[: 2 * rows].reshape(2, batch, shape.tokens)
+        starts = host[2 * rows : 2 * rows + batch]
+        windows = host[2 * rows + batch :].reshape(batch, shape.tokens, shape.span)
+        windows[:, :, 0] = 1
+        writes = [self._scratch[:rows].view(batch, shape.tokens)[b] for b in range(batch)]
+        reads = [self._padding_reads[: shape.context]] * batch
         for b, plan in enumerate(plans):
             t = len(plan.input_ids)
             ids[0, b, :t], ids[1, b, :t] = plan.input_ids, plan.positions
+            mask = window_mask(plan)
+            windows[b, :t, : mask.shape[1]] = mask
+            starts[b] = window_start(plan)
             slots = plan.entry.slots
             writes[b] = torch.cat([slots[plan.start : plan.start + t], writes[b][t:]])
             own = slots[: shape.context]
             reads[b] = torch.cat([own, self._padding_reads[: shape.context - len(own)]])
-        staged = torch.from_numpy(ids.reshape(2, -1))
-        buffers.input_ids.copy_(staged[0])
-        buffers.positions.copy_(staged[1])
+        buffers.host.copy_(torch.from_numpy(host))
         torch.cat(writes, out=buffers.writes)
         torch.stack(reads, out=buffers.reads)
 
@@ -222,7 +255,7 @@ class StaticPasses:
         group = worker.num_heads // worker.num_kv_heads
         h = worker.body.embed_tokens(buffers.input_ids)  # [rows, hidden]
         cos, sin = self.cos[buffers.positions, None], self.sin[buffers.positions, None]  # [rows, 1, D]
-        visible = self._key_positions[: shape.context] <= buffers.positions.view(shape.batch, shape.tokens, 1)
+        visible = self._visible(buffers, shape)  # [batch, tokens, context]
         # [batch, 1, G*T, context]: row g*T + i is query head g of token i (grouped_query_attention)
         mask = visible[:, None].expand(-1, group, -1, -1).reshape(shape.batch, 1, group * shape.tokens, shape.context)
         for index, layer in enumerate(worker.layers):
@@ -232,6 +265,15 @@ class StaticPasses:
             h = h + layer.down(layer.act(gate) * up)
         hidden = worker.body.norm(h)
         return worker.output(hidden), hidden
+
+    def _visible(self, buffers: _Buffers, shape: Shape) -> torch.Tensor:
+        """[batch, tokens, context] bool: every key before a request's window, and the window's
+        keys its mask shows each row (static shapes, no host sync: capturable)."""
+        offset = self._key_positions[: shape.context] - buffers.window_starts[:, None]  # [batch, context]
+        inside = (offset >= 0) & (offset < shape.span)
+        index = offset.clamp(0, shape.span - 1)[:, None, :].expand(-1, shape.tokens, -1)
+        shown = (buffers.windows.gather(2, index) != 0) & inside[:, None, :]
+        return shown | (offset < 0)[:, None, :]
 
     def _attention(self, index, layer, x, cos, sin, buffers: _Buffers, mask, shape: Shape) -> torch.Tensor:
         worker = self.worker

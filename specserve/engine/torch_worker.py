@@ -264,8 +264,8 @@ class KVCache:
         if self.num_blocks < 1:
             raise SpecserveError(f"the KV cache budget ({budget_bytes} bytes) is smaller than one block of "
                                  f"{BLOCK_TOKENS} tokens ({self.bytes_per_token * BLOCK_TOKENS} bytes)")
-        # empty, not zeros: on CPU untouched pages cost no memory; a slot is always written
-        # before any pass reads it.
+        # empty, not zeros: on CPU untouched pages cost no memory; the ragged pass writes a
+        # slot before it reads it (the static passes, which read masked slots, zero them).
         with torch.inference_mode():
             self.slab = torch.empty(layers, 2, kv_heads, self.num_blocks * BLOCK_TOKENS, head_dim,
                                     dtype=dtype, device=device)
@@ -297,6 +297,14 @@ class KVCache:
 
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
+
+    def zero_free_blocks(self) -> None:
+        """Zero the slots of every free block (a pass that reads masked slots, the static
+        passes, must not meet NaN in memory never written)."""
+        if self._free:
+            blocks = torch.tensor(self._free, device=self.slab.device)
+            with torch.inference_mode():
+                self.slab[:, :, :, (blocks[:, None] * BLOCK_TOKENS + self._block_offsets).flatten()] = 0
 
 
 @dataclass
