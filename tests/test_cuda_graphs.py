@@ -250,3 +250,27 @@ def test_the_pool_option_is_cuda_only_and_reaches_the_worker(monkeypatch):
     threads = torch.get_num_threads()  # given, so the test process keeps its thread count
     pools.default_engine(PoolArgs(model="tiny", cuda_graphs=False, torch_threads=threads).model_dump())
     assert seen["cuda_graphs"] is False
+
+
+@pytest.mark.parametrize("method", ["medusa", "hydra"])
+def test_greedy_head_trees_over_static_passes_equal_target_only_output(model, method):
+    """Heads read the hidden rows of the static pass (Hydra also its path's embeddings): their
+    trees verified there still give the target's own greedy output."""
+    from conftest import tiny_heads, tiny_hydra_heads
+    from specserve.decoder import SpeculativeDecoder
+    from specserve.proposers.hydra import HydraProposer
+    from specserve.proposers.medusa import MedusaProposer
+    from specserve.protocol import SamplingParams, Speculation, TreeSpec
+    from specserve.verifier import Verifier
+
+    proposer = (MedusaProposer(tiny_heads(model)) if method == "medusa"
+                else HydraProposer(tiny_hydra_heads(model, noise=0.01)))
+    worker = static_worker(model)
+    tree = TreeSpec(shape=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
+    decoder = SpeculativeDecoder(Verifier(worker, proposer), speculation=Speculation(proposer=method, shape="tree",
+                                                                                     tree=tree),
+                                 max_context=model.config.max_position_embeddings)
+    prompts = random_sequences([70, 80], seed=16)
+    outputs = [g.token_ids for g in decoder.generate(prompts, SamplingParams(max_tokens=16))]
+    assert outputs == [hf_greedy(model, p, 16) for p in prompts]
+    assert worker.static_passes.eager_passes == worker.forward_passes - 1  # all but the prompts' prefill
