@@ -41,7 +41,7 @@ from specserve.protocol import SpecserveError
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SPAN_BUCKETS = TOKEN_BUCKETS + (128,)  # new tokens plus a tree's cached nodes
-MAX_ROWS = 256  # batch * tokens: 16 decode rows of 16, or 4 trees of 64 (each shape keeps [rows, V] logits)
+MAX_ROWS = 256  # batch * tokens: 16 requests of 16 tokens, 4 of 64 (each shape keeps its [rows, V] logits)
 MIN_CONTEXT = 256  # smallest context bucket: shorter contexts share one graph
 DEFAULT_MAX_CONTEXT = 8192  # longer contexts run the ragged pass (the padded gather grows)
 DEFAULT_MAX_GRAPHS = 96  # shapes captured at most; others run the ragged pass
@@ -106,9 +106,9 @@ def static_shape(plans, *, max_context: int) -> Shape | None:
 @dataclass
 class _Buffers:
     """A shape's static inputs: the tensors a captured graph reads. The ones that come from the
-    host are views of one tensor (`host`), so a pass copies them in with one transfer."""
+    host are views of one tensor (`staged`), so a pass copies them in with one transfer."""
 
-    host: torch.Tensor  # [2 * rows + batch + batch * tokens * span] int64: the views below
+    staged: torch.Tensor  # [2 * rows + batch + batch * tokens * span] int64: the views below
     input_ids: torch.Tensor  # [rows]
     positions: torch.Tensor  # [rows]
     window_starts: torch.Tensor  # [batch] first position of each request's masked window
@@ -119,9 +119,9 @@ class _Buffers:
     @classmethod
     def empty(cls, shape: Shape, device) -> _Buffers:
         window = shape.batch * shape.tokens * shape.span
-        host = torch.zeros(2 * shape.rows + shape.batch + window, dtype=torch.long, device=device)
-        input_ids, positions, starts, windows = host.split([shape.rows, shape.rows, shape.batch, window])
-        return cls(host, input_ids, positions, starts, windows.view(shape.batch, shape.tokens, shape.span),
+        staged = torch.zeros(2 * shape.rows + shape.batch + window, dtype=torch.long, device=device)
+        input_ids, positions, starts, windows = staged.split([shape.rows, shape.rows, shape.batch, window])
+        return cls(staged, input_ids, positions, starts, windows.view(shape.batch, shape.tokens, shape.span),
                    torch.zeros(shape.rows, dtype=torch.long, device=device),
                    torch.zeros(shape.batch, shape.context, dtype=torch.long, device=device))
 
@@ -198,7 +198,7 @@ class StaticPasses:
         """Copy the pass's inputs into the shape's static buffers. Padding rows feed token 0 at
         position 0, write to their own scratch slots and see their window's first key."""
         rows, batch = shape.rows, shape.batch
-        host = np.zeros(buffers.host.shape[0], dtype=np.int64)
+        host = np.zeros(buffers.staged.shape[0], dtype=np.int64)
         ids = host[: 2 * rows].reshape(2, batch, shape.tokens)
         starts = host[2 * rows : 2 * rows + batch]
         windows = host[2 * rows + batch :].reshape(batch, shape.tokens, shape.span)
@@ -215,7 +215,7 @@ class StaticPasses:
             writes[b] = torch.cat([slots[plan.start : plan.start + t], writes[b][t:]])
             own = slots[: shape.context]
             reads[b] = torch.cat([own, self._padding_reads[: shape.context - len(own)]])
-        buffers.host.copy_(torch.from_numpy(host))
+        buffers.staged.copy_(torch.from_numpy(host))
         torch.cat(writes, out=buffers.writes)
         torch.stack(reads, out=buffers.reads)
 
