@@ -12,7 +12,7 @@ passes that fit a `Shape` run a padded, static-shape version of the pass:
 - `context` KV positions read per request (a power of two >= 256): every request reads its
   slots through a padded [batch, context] slot table;
 - `span` the cache window whose visibility is not "all of it": the new tokens, after the
-  cached nodes of a tree being extended (`_Plan.cached_tree_mask`). Every key before the
+  cached nodes of a tree being extended (`_Plan.window_start`). Every key before the
   window is visible; inside it a [tokens, span] mask per request says which (a causal
   triangle for a chain, ancestors for a tree); none after it.
 
@@ -70,25 +70,6 @@ def context_bucket(length: int, max_context: int) -> int | None:
     return size if size <= max_context else None
 
 
-def cached_tree_nodes(plan) -> int:
-    """How many cached tree nodes before a plan's new tokens its window must cover: none
-    when every new token sees all of them (a chain's extension), as it sees the sequence."""
-    cached = plan.cached_tree_mask
-    return 0 if cached is None or cached.all() else cached.shape[1]
-
-
-def window_mask(plan) -> np.ndarray:
-    """[t, r + t] bool: what each of a plan's t new tokens sees among the r cached tree nodes
-    before them and the new tokens; every position before those is visible
-    (`torch_worker.attention_mask`'s last r + t columns)."""
-    r = cached_tree_nodes(plan)
-    return np.concatenate([plan.cached_tree_mask, plan.local_mask], axis=1) if r else plan.local_mask
-
-
-def window_start(plan) -> int:
-    return plan.start - cached_tree_nodes(plan)
-
-
 def static_shape(plans, *, max_context: int) -> Shape | None:
     """The shape a pass pads to, None when it must run ragged (a prefill chunk, too many new
     tokens, rows, requests or positions)."""
@@ -96,7 +77,7 @@ def static_shape(plans, *, max_context: int) -> Shape | None:
         return None
     batch = bucket(len(plans), BATCH_BUCKETS)
     tokens = bucket(max(len(p.input_ids) for p in plans), TOKEN_BUCKETS)
-    span = bucket(max(p.start + len(p.input_ids) - window_start(p) for p in plans), SPAN_BUCKETS)
+    span = bucket(max(p.start + len(p.input_ids) - p.window_start for p in plans), SPAN_BUCKETS)
     if batch is None or tokens is None or span is None or batch * tokens > MAX_ROWS:
         return None
     context = context_bucket(max(p.start + len(p.input_ids) for p in plans), max_context)
@@ -208,9 +189,9 @@ class StaticPasses:
         for b, plan in enumerate(plans):
             t = len(plan.input_ids)
             ids[0, b, :t], ids[1, b, :t] = plan.input_ids, plan.positions
-            mask = window_mask(plan)
+            mask = plan.window_mask()
             windows[b, :t, : mask.shape[1]] = mask
-            starts[b] = window_start(plan)
+            starts[b] = plan.window_start
             slots = plan.entry.slots
             writes[b] = torch.cat([slots[plan.start : plan.start + t], writes[b][t:]])
             own = slots[: shape.context]

@@ -332,6 +332,21 @@ class _Plan:
     # [t, r] bool, which of them each new token sees (its ancestors)
     cached_tree_mask: np.ndarray | None = None
 
+    @property
+    def window_start(self) -> int:
+        """The first position not simply visible to every new token: the cached tree nodes
+        before them (none when the new tokens see them all, as a chain's extension does), else
+        the new tokens themselves."""
+        cached = self.cached_tree_mask
+        return self.start - (0 if cached is None or cached.all() else cached.shape[1])
+
+    def window_mask(self) -> np.ndarray:
+        """[t, start + t - window_start] bool: what each new token sees from `window_start` on
+        (every position before it is visible)."""
+        if self.window_start == self.start:
+            return self.local_mask
+        return np.concatenate([self.cached_tree_mask, self.local_mask], axis=1)
+
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     """Length of the common prefix; C-speed list comparison in the usual case (one is a
@@ -361,10 +376,7 @@ def attention_mask(plan: _Plan) -> np.ndarray | None:
     if t == 1 and plan.cached_tree_mask is None:
         return None
     mask = np.ones((t, plan.start + t), dtype=bool)
-    if plan.cached_tree_mask is not None:
-        cached = plan.cached_tree_mask.shape[1]
-        mask[:, plan.start - cached : plan.start] = plan.cached_tree_mask
-    mask[:, plan.start:] = plan.local_mask
+    mask[:, plan.window_start :] = plan.window_mask()
     return mask
 
 
