@@ -5,14 +5,17 @@ A gRPC request becomes the same pydantic body an HTTP request is parsed into, so
 limits, defaults and error messages are HTTP's; the API key (metadata `authorization: Bearer
 <key>`) and the message size are checked before it is parsed; the router's `generate` deltas
 become GenerateResponse messages; `failure` maps refusals onto status codes. Backpressure (RESOURCE_EXHAUSTED), client
-deadlines (DEADLINE_EXCEEDED) and cancellation (CANCELLED) come from the proxy; a cancelled
-call cancels `generate`, which frees the request's caches as an HTTP disconnect does.
+deadlines (DEADLINE_EXCEEDED) and cancellation (CANCELLED) come from the proxy. Serve ends a
+cancelled stream by throwing CancelledError into the RPC's generator where it waits (at a
+yield), which does not close a generator it iterates: each one here closes what it iterates
+(`aclosing`), so `generate` and its rounds end then and free the request's caches, not when
+the garbage collector gets to them.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 
 import grpc
 
@@ -113,8 +116,9 @@ class GrpcApi:
             self._admit(request, grpc_context)
             body = body_of(request)
             state = await self.start(body, self.prompt_ids(body))
-            async for _ in self.generate(state):
-                pass
+            async with aclosing(self.generate(state)) as deltas:
+                async for _ in deltas:
+                    pass
         whole = Delta(list(state.output_ids), self._text(state), state.finish_reason, self._usage(state))
         return response_message(new_id(prefix), whole)
 
@@ -124,22 +128,25 @@ class GrpcApi:
             self._admit(request, grpc_context)
             body = body_of(request)
             state = await self.start(body, self.prompt_ids(body))
-            async for delta in self.generate(state):
-                yield response_message(rid, delta)
+            async with aclosing(self.generate(state)) as deltas:
+                async for delta in deltas:
+                    yield response_message(rid, delta)
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
         return await self._unary(completion_body, "cmpl", request, grpc_context)
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
-        async for message in self._stream(completion_body, "cmpl", request, grpc_context):
-            yield message
+        async with aclosing(self._stream(completion_body, "cmpl", request, grpc_context)) as messages:
+            async for message in messages:
+                yield message
 
     async def Chat(self, request: pb.ChatRequest, grpc_context=None) -> pb.GenerateResponse:
         return await self._unary(chat_body, "chatcmpl", request, grpc_context)
 
     async def ChatStream(self, request: pb.ChatRequest, grpc_context=None):
-        async for message in self._stream(chat_body, "chatcmpl", request, grpc_context):
-            yield message
+        async with aclosing(self._stream(chat_body, "chatcmpl", request, grpc_context)) as messages:
+            async for message in messages:
+                yield message
 
     async def Models(self, request: pb.ModelsRequest, grpc_context=None) -> pb.ModelsResponse:
         with reported(grpc_context):

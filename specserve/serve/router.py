@@ -24,8 +24,10 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 
+import anyio
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -99,9 +101,11 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """Runs `on_close` when the response ends for any reason. Starlette does not close the body
-    iterator when the client goes away, so cleanup inside the generator would wait for garbage
-    collection; this runs synchronously, even inside a cancelled scope."""
+    """Runs `on_close`, then closes the body iterator, when the response ends for any reason.
+    Starlette does neither when the client goes away, so cleanup inside the generator (the
+    request's rounds: the policy's count of requests in flight) would wait for garbage
+    collection. `on_close` runs synchronously, even inside a cancelled scope; the close is
+    shielded from that scope's cancellation."""
 
     def __init__(self, content, on_close, **kwargs):
         super().__init__(content, **kwargs)
@@ -112,6 +116,8 @@ class ClosingStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.on_close()
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
 
 
 async def _free(pool: DeploymentHandle, request_id: str) -> None:
@@ -360,17 +366,15 @@ class Router(GrpcApi):
         mark = ticket = None
         try:
             if state.speculation.proposer == "native":  # the target speculates itself: its results stream
-                native = self._native_rounds(state, deadline)
-                try:
+                async with aclosing(self._native_rounds(state, deadline)) as native:
                     async for emitted in native:
                         yield emitted
-                finally:
-                    await native.aclose()  # now, not when collected: it closes the pool's stream
                 return
             while not state.finished:
                 if self._may_pipeline(state):  # speculation.pipeline: verify a streamed draft
-                    async for emitted in self._pipelined_rounds(state, deadline):
-                        yield emitted
+                    async with aclosing(self._pipelined_rounds(state, deadline)) as pipelined:
+                        async for emitted in pipelined:
+                            yield emitted
                     continue
                 started = time.perf_counter()
                 round_start = time.monotonic()
@@ -570,8 +574,9 @@ class Router(GrpcApi):
         try:
             if state.finished:  # resumed with tokens that already end it: only the last delta
                 yield self._delta(state, cursor, timer)
-            async for _ in self._rounds(state, deadline):
-                yield self._delta(state, cursor, timer)
+            async with aclosing(self._rounds(state, deadline)) as rounds:
+                async for _ in rounds:
+                    yield self._delta(state, cursor, timer)
         finally:
             self._release(state)
 
@@ -681,8 +686,9 @@ class Router(GrpcApi):
         if body.stream:
             return ClosingStreamingResponse(self._sse(body, state, chat, rid, created),
                                             on_close=lambda: self._release(state), media_type="text/event-stream")
-        async for _ in self.generate(state):
-            pass
+        async with aclosing(self.generate(state)) as deltas:
+            async for _ in deltas:
+                pass
         text = self._text(state)
         choice = {"index": 0, "finish_reason": state.finish_reason, "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
@@ -711,12 +717,13 @@ class Router(GrpcApi):
         if chat:
             yield chunk(None, None, first=True)
         try:
-            async for delta in self.generate(state):
-                ids = delta.token_ids if body.return_token_ids else None
-                if delta.text or ids:  # with token ids, a round whose text is held back still sends them
-                    yield chunk(delta.text, None, token_ids=ids)
-                if delta.finish_reason is not None:
-                    yield chunk(None, delta.finish_reason)
+            async with aclosing(self.generate(state)) as deltas:
+                async for delta in deltas:
+                    ids = delta.token_ids if body.return_token_ids else None
+                    if delta.text or ids:  # with token ids, a round whose text is held back still sends them
+                        yield chunk(delta.text, None, token_ids=ids)
+                    if delta.finish_reason is not None:
+                        yield chunk(None, delta.finish_reason)
         except (SpecserveError, DeadlineExceeded) as exc:  # headers are sent: report in-band, as OpenAI does
             f = failure(exc)
             yield "data: " + json.dumps(error_body(f.message, type_=f.type_, param=f.param, code=f.code)) + "\n\n"
