@@ -475,7 +475,8 @@ def time_end_to_end(models: dict, plan: Plan, *, device: str) -> list[dict]:
 # ---- CUDA graphs ------------------------------------------------------------------------
 
 GRAPH_CASES = ("target only", "self chain k=4", "draft chain k=4", "self tree (8 nodes)", "draft tree (8 nodes)")
-GRAPH_TREE_NODES = (8, 16, 63)  # 63: the size of Medusa's and Hydra's own tree (mc_sim_7b_63)
+GRAPH_TREE_NODES = (8, 16, 63)
+CPU_CACHED_TOKENS = 16384  # 63: the size of Medusa's and Hydra's own tree (mc_sim_7b_63)
 
 
 def eager_worker(model):
@@ -492,7 +493,8 @@ def graph_worker(model, device: str):
 
     if device.startswith("cuda"):
         return TorchWorker(model, cuda_graphs=True)
-    worker = TorchWorker(model, cuda_graphs=False)
+    # on a CPU (a smoke run) a small KV cache: the static passes zero its free blocks
+    worker = TorchWorker(model, cuda_graphs=False, max_cached_tokens=CPU_CACHED_TOKENS)
     worker.static_passes = StaticPasses(worker, capture=False)
     return worker
 

@@ -300,11 +300,27 @@ class KVCache:
 
     def zero_free_blocks(self) -> None:
         """Zero the slots of every free block (a pass that reads masked slots, the static
-        passes, must not meet NaN in memory never written)."""
-        if self._free:
-            blocks = torch.tensor(self._free, device=self.slab.device)
-            with torch.inference_mode():
-                self.slab[:, :, :, (blocks[:, None] * BLOCK_TOKENS + self._block_offsets).flatten()] = 0
+        passes, must not meet NaN in memory never written). By runs of consecutive blocks, in
+        place: at start-up every block is free, one run, and a slice's zero_ took a fraction of
+        the 0.7 s an index over a 1-GiB slab's every slot took on the 2-core EPYC."""
+        with torch.inference_mode():
+            for first, end in block_runs(self._free):
+                self.slab[:, :, :, first * BLOCK_TOKENS:end * BLOCK_TOKENS].zero_()
+
+
+def block_runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive block numbers, as [first, end) pairs in ascending order.
+
+    >>> block_runs([7, 2, 3, 5, 4, 0])
+    [(0, 1), (2, 6), (7, 8)]
+    """
+    runs: list[tuple[int, int]] = []
+    for block in sorted(blocks):
+        if runs and runs[-1][1] == block:
+            runs[-1] = (runs[-1][0], block + 1)
+        else:
+            runs.append((block, block + 1))
+    return runs
 
 
 @dataclass
