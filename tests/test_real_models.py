@@ -29,6 +29,21 @@ def smol():
     return load_pair(SMOL, SMOL, dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def target_greedy(smol):
+    """transformers' greedy decoding of the target alone, 40 tokens or to its one EOS, once per
+    prompt for the module (2-3 s a prompt here; five tests compare against the same three)."""
+    [eos] = sorted(smol.eos_token_ids)
+    done: dict[tuple[int, ...], list[int]] = {}
+
+    def greedy(prompt: list[int]) -> list[int]:
+        if tuple(prompt) not in done:
+            done[tuple(prompt)] = hf_greedy(smol.target.model, prompt, 40, eos_token_id=eos)
+        return done[tuple(prompt)]
+
+    return greedy
+
+
 def first_layers(model, n: int):
     """A different, weaker draft that shares the vocabulary: the target's first n layers."""
     draft = copy.deepcopy(model)
@@ -44,7 +59,7 @@ def chat_prompt(tokenizer, question: str) -> list[int]:
 
 
 @pytest.mark.parametrize("draft_kind,k", [("itself", 4), ("first-27-layers", 3), ("first-27-layers", 6)])
-def test_greedy_equals_transformers_with_real_weights(smol, draft_kind, k):
+def test_greedy_equals_transformers_with_real_weights(smol, target_greedy, draft_kind, k):
     from specserve.decoder import SpeculativeDecoder
     from specserve.engine.torch_worker import TorchWorker
     from specserve.proposers.draft_model import DraftModelProposer
@@ -56,10 +71,8 @@ def test_greedy_equals_transformers_with_real_weights(smol, draft_kind, k):
                                  tokenizer=smol.tokenizer, eos_token_ids=smol.eos_token_ids)
     prompts = [chat_prompt(smol.tokenizer, q) for q in QUESTIONS]
     outs = decoder.generate(prompts, SamplingParams(max_tokens=40))
-    eos = sorted(smol.eos_token_ids)
-    assert len(eos) == 1
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(target, prompt, 40, eos_token_id=eos[0])
+        assert out.token_ids == target_greedy(prompt)
     assert {o.finish_reason for o in outs} == {"stop", "length"}  # EOS and max_tokens both hit
     stats = decoder.last_report.stats
     if draft_kind == "itself":
@@ -108,7 +121,7 @@ def test_cli_generate_prints_text_and_statistics(smol):
 @pytest.mark.parametrize("tree", [dict(budget=16, depth=6, width=4, min_score=0.05),
                                   dict(shape=[[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1], [0, 0, 0, 0]])],
                          ids=["dynamic", "static"])
-def test_greedy_trees_equal_transformers_with_real_weights(smol, tree):
+def test_greedy_trees_equal_transformers_with_real_weights(smol, target_greedy, tree):
     from specserve.decoder import SpeculativeDecoder
     from specserve.engine.torch_worker import TorchWorker
     from specserve.proposers.draft_model import DraftModelProposer
@@ -120,9 +133,8 @@ def test_greedy_trees_equal_transformers_with_real_weights(smol, tree):
                                  eos_token_ids=smol.eos_token_ids)
     prompts = [chat_prompt(smol.tokenizer, q) for q in QUESTIONS]
     outs = decoder.generate(prompts, SamplingParams(max_tokens=40))
-    [eos] = sorted(smol.eos_token_ids)
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(target, prompt, 40, eos_token_id=eos)
+        assert out.token_ids == target_greedy(prompt)
     stats = decoder.last_report.stats
     assert stats.mean_accepted_length > 1.5 and sum(stats.num_accepted_tokens_per_rank[1:]) > 0
 
@@ -144,7 +156,7 @@ def test_cli_generate_with_a_tree_and_a_bad_shape(smol):
     {"shape": "tree", "tree": {"budget": 10, "depth": 3, "width": 3, "min_score": 0.0}},
     {"shape": "tree", "tree": {"shape": ((0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0))}},
 ], ids=["chain", "dynamic", "static"])
-def test_medusa_heads_trained_here_decode_exactly_like_the_target(smol, smol_medusa_heads, speculation):
+def test_medusa_heads_trained_here_decode_exactly_like_the_target(smol, target_greedy, smol_medusa_heads, speculation):
     """Heads trained in the session by the trainer, loaded from their files: batched greedy
     output equals transformers' target alone, and the heads really propose accepted tokens."""
     from dataclasses import replace
@@ -162,8 +174,7 @@ def test_medusa_heads_trained_here_decode_exactly_like_the_target(smol, smol_med
                                  eos_token_ids=smol.eos_token_ids)
     prompts = [chat_prompt(smol.tokenizer, q) for q in QUESTIONS]
     outs = decoder.generate(prompts, SamplingParams(max_tokens=40))
-    eos = sorted(smol.eos_token_ids)[0]
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(smol.target.model, prompt, 40, eos_token_id=eos)
+        assert out.token_ids == target_greedy(prompt)
     stats = decoder.last_report.stats  # quick heads (about a minute of training) on chat: modest acceptance
     assert stats.num_accepted_tokens > 0 and stats.mean_accepted_length > 1.0, stats
