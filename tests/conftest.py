@@ -253,14 +253,20 @@ def app(cluster, reference, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference():
-    """The target alone, in this process: transformers' greedy decoding."""
+    """The target alone, in this process: transformers' greedy decoding (each prompt and length
+    once a session)."""
     from specserve import models
 
     tokenizer = models.load_tokenizer(SMOL)
     model = models.load_causal_lm(SMOL, dtype="float32")
 
+    done: dict[tuple[tuple[int, ...], int], list[int]] = {}  # tests ask for the same prompts again
+
     def greedy_ids(prompt_ids: list[int], max_tokens: int) -> list[int]:
-        return hf_greedy(model, prompt_ids, max_tokens, eos_token_id=tokenizer.eos_token_id)
+        key = (tuple(prompt_ids), max_tokens)
+        if key not in done:
+            done[key] = hf_greedy(model, prompt_ids, max_tokens, eos_token_id=tokenizer.eos_token_id)
+        return list(done[key])
 
     def greedy_text(prompt_ids: list[int], max_tokens: int) -> str:
         return tokenizer.decode(greedy_ids(prompt_ids, max_tokens), skip_special_tokens=True)
