@@ -73,7 +73,7 @@ test-vllm: setup vllm-env
 	$(VENV)/bin/specserve models pull smollm2-135m-instruct
 	$(VLLM_PY) -m pytest -q --durations=10 -m vllm tests/test_vllm_engine.py
 
-# Unit tier only: tiny random models, no real weights, no Ray cluster (626 tests, ~6 minutes on 2 cores).
+# Unit tier only: tiny random models, no real weights, no Ray cluster (646 tests, ~5 minutes on 2 cores).
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 

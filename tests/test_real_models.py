@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-from conftest import hf_greedy
 from specserve import models
 
 pytestmark = pytest.mark.slow
@@ -30,18 +29,12 @@ def smol():
 
 
 @pytest.fixture(scope="module")
-def target_greedy(smol):
-    """transformers' greedy decoding of the target alone, 40 tokens or to its one EOS, once per
-    prompt for the module (2-3 s a prompt here; five tests compare against the same three)."""
-    [eos] = sorted(smol.eos_token_ids)
-    done: dict[tuple[int, ...], list[int]] = {}
-
-    def greedy(prompt: list[int]) -> list[int]:
-        if tuple(prompt) not in done:
-            done[tuple(prompt)] = hf_greedy(smol.target.model, prompt, 40, eos_token_id=eos)
-        return done[tuple(prompt)]
-
-    return greedy
+def target_greedy(smol, reference):
+    """transformers' greedy decoding of the target alone, 40 tokens or to its one EOS (the
+    session's reference decodes each prompt once: five tests here share three)."""
+    _, _, greedy_text, _ = reference
+    assert sorted(smol.eos_token_ids) == [reference[0].eos_token_id]
+    return lambda prompt: greedy_text.ids(prompt, 40)
 
 
 def first_layers(model, n: int):
