@@ -475,8 +475,8 @@ def time_end_to_end(models: dict, plan: Plan, *, device: str) -> list[dict]:
 # ---- CUDA graphs ------------------------------------------------------------------------
 
 GRAPH_CASES = ("target only", "self chain k=4", "draft chain k=4", "self tree (8 nodes)", "draft tree (8 nodes)")
-GRAPH_TREE_NODES = (8, 16, 63)
-CPU_CACHED_TOKENS = 16384  # 63: the size of Medusa's and Hydra's own tree (mc_sim_7b_63)
+GRAPH_TREE_NODES = (8, 16, 63)  # 63: the size of Medusa's and Hydra's own tree (mc_sim_7b_63)
+CPU_CACHED_TOKENS = 16384  # the KV cache of a CPU smoke run's static workers
 
 
 def eager_worker(model):

@@ -366,6 +366,7 @@ class Router(GrpcApi):
         mark = ticket = None
         try:
             if state.speculation.proposer == "native":  # the target speculates itself: its results stream
+                # closed now, not when collected: it closes the pool's stream
                 async with aclosing(self._native_rounds(state, deadline)) as native:
                     async for emitted in native:
                         yield emitted
