@@ -53,6 +53,9 @@ class FakeGrpcRouter(GrpcApi):
     def __init__(self, rounds: Rounds):
         self.rounds = rounds
 
+    def _release(self, state) -> None:
+        self.rounds.released += 1
+
     def _admit(self, request, grpc_context) -> None:
         pass
 
@@ -163,3 +166,50 @@ def test_an_http_stream_the_client_leaves_closes_its_body():
     with collector_off():
         assert asyncio.run(serve_then_disconnect())
     assert closed_by_on_close == [True]
+
+
+def test_a_grpc_stream_whose_reader_stops_reading_frees_its_caches():
+    """Serve's gRPC proxy may drop a cancelled call without cancelling it: the stream then
+    waits at a yield for a reader that never comes. After `consumer_stall_s` its caches are
+    freed; a reader that was only slow still gets the rest (the pools recompute the caches)."""
+    rounds = Rounds()
+    router = FakeGrpcRouter(rounds)
+    router.consumer_stall_s = 0.05
+
+    async def stall():
+        stream = router.GenerateStream(pb.GenerateRequest(model="m", prompt="p"))
+        for _ in range(3):
+            await stream.__anext__()
+        read_promptly = rounds.released
+        await asyncio.sleep(0.3)  # the reader takes nothing
+        stalled = rounds.released
+        await stream.__anext__()  # a slow reader, not a gone one: the stream goes on
+        await stream.aclose()
+        return read_promptly, stalled
+
+    assert asyncio.run(stall()) == (0, 1)
+
+
+def test_a_finished_request_frees_its_caches_before_its_last_delta():
+    """A reader that stops taking messages (and is never cancelled) must not hold a finished
+    request's caches."""
+    rounds = Rounds()
+    router = FakeRouter(rounds)
+    state = State()
+    state.finished = False
+
+    async def finishing_rounds(state_, deadline=None):
+        for i in range(3):
+            state_.finished = i == 2
+            yield [1]
+
+    router._rounds = finishing_rounds
+
+    async def read_all():
+        released_at = []
+        deltas = router.generate(state)
+        async for _ in deltas:
+            released_at.append(rounds.released)
+        return released_at
+
+    assert asyncio.run(read_all()) == [0, 0, 1]

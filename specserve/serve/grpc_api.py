@@ -10,10 +10,19 @@ cancelled stream by throwing CancelledError into the RPC's generator where it wa
 yield), which does not close a generator it iterates: each one here closes what it iterates
 (`aclosing`), so `generate` and its rounds end then and free the request's caches, not when
 the garbage collector gets to them.
+
+Ray Serve's gRPC proxy does not always pass a client's cancellation on: cancelled while it
+writes a message rather than waits for the next, it drops the call without cancelling it (seen
+in CI: the router generated all 400 tokens of a cancelled stream, then waited at its last
+message for a reader that never came). So a stream also frees its caches once its reader has
+not taken a message for CONSUMER_STALL_S (exact either way: pools recompute a released
+request's cache from the token ids every call carries), and `generate` frees them before the
+last message.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing, contextmanager
 
@@ -86,6 +95,21 @@ def response_message(rid: str, delta: Delta) -> pb.GenerateResponse:
     return message
 
 
+# A stream whose reader has not taken a message for this long frees its caches (see above).
+CONSUMER_STALL_S = 30.0
+
+
+@contextmanager
+def released_if_unread(release, stall_s: float):
+    """Around a stream's yield: `release()` if the reader has not taken the message (resumed
+    the stream) within `stall_s`."""
+    timer = asyncio.get_running_loop().call_later(stall_s, release)
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 @contextmanager
 def reported(grpc_context):
     """Set the status a refusal maps to before it propagates (the proxy keeps a code set on the
@@ -102,6 +126,8 @@ def reported(grpc_context):
 
 class GrpcApi:
     """The Router's gRPC methods (mixed into the Router deployment class)."""
+
+    consumer_stall_s = CONSUMER_STALL_S
 
     def _admit(self, request, grpc_context) -> None:
         """The API key (Unauthenticated) and the message's size (LimitExceeded), checked before
@@ -130,7 +156,8 @@ class GrpcApi:
             state = await self.start(body, self.prompt_ids(body))
             async with aclosing(self.generate(state)) as deltas:
                 async for delta in deltas:
-                    yield response_message(rid, delta)
+                    with released_if_unread(lambda: self._release(state), self.consumer_stall_s):
+                        yield response_message(rid, delta)
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
         return await self._unary(completion_body, "cmpl", request, grpc_context)

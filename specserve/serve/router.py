@@ -564,9 +564,11 @@ class Router(GrpcApi):
 
     async def generate(self, state: RequestState) -> AsyncIterator[Delta]:
         """Run the request's rounds; each yields the tokens it emitted and the text they make
-        safe to show (stop strings held back, then cut). The caches are freed however it ends,
-        and DeadlineExceeded ends it once `state.timeout_s` has passed. A resumed request
-        streams on from where its interrupted stream stopped."""
+        safe to show (stop strings held back, then cut). The caches are freed however it ends
+        (once it is finished, before its last delta is handed on: a consumer that stopped
+        reading without cancelling must not keep them), and DeadlineExceeded ends it once
+        `state.timeout_s` has passed. A resumed request streams on from where its interrupted
+        stream stopped."""
         cursor = OutputCursor(TextStream(state.params.stop))
         if state.output_ids:  # resumed: what the interrupted stream had sent with these tokens
             cursor.advance(state.output_ids, self.codec.decode(state.output_ids), final=False)
@@ -577,6 +579,8 @@ class Router(GrpcApi):
                 yield self._delta(state, cursor, timer)
             async with aclosing(self._rounds(state, deadline)) as rounds:
                 async for _ in rounds:
+                    if state.finished:  # no pool call follows
+                        self._release(state)
                     yield self._delta(state, cursor, timer)
         finally:
             self._release(state)
