@@ -147,8 +147,8 @@ def test_a_cancelled_stream_frees_the_caches_in_both_pools(app, grpc_client):
     with pytest.raises(grpc.RpcError) as err:
         next(call)
     assert err.value.code() == grpc.StatusCode.CANCELLED
-    # Usually within a second. Serve's gRPC proxy sometimes drops a cancellation (cancelled while
-    # it writes a message, it never cancels the router's call): the router then generates on
+    # Usually within a second. Serve's gRPC proxy sometimes drops a cancellation (it never
+    # cancels the router's call; see grpc_api's docstring): the router then generates on
     # (all 400 tokens took 45 s in a CI run) and frees the caches at the end, or once its stream
     # has not been read for CONSUMER_STALL_S (grpc_api)
     assert wait_for(lambda: cached_requests(app) == 0, timeout=120)

@@ -3,9 +3,9 @@ gets to them. Serve ends a cancelled gRPC stream by throwing CancelledError into
 generator at its yield, and Starlette stops iterating an HTTP body without closing it; neither
 closes the generators below (`generate`, the rounds), whose `finally` frees the request's caches
 and takes it out of the policy's count of requests in flight. Reference cycles (an exception's
-traceback holds the frames) could keep them alive for a minute: the gRPC cancellation test once
-saw the caches still held after 60 s. These run with the collector off, so only an explicit
-close passes."""
+traceback holds the frames) can keep them alive until the collector runs; the closing tests run
+with the collector off, so only an explicit close passes. The last two cover a reader that
+stops without any cancellation reaching the router (Serve's gRPC proxy drops some: grpc_api)."""
 
 import asyncio
 import gc

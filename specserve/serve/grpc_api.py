@@ -11,10 +11,10 @@ yield), which does not close a generator it iterates: each one here closes what 
 (`aclosing`), so `generate` and its rounds end then and free the request's caches, not when
 the garbage collector gets to them.
 
-Ray Serve's gRPC proxy does not always pass a client's cancellation on: cancelled while it
-writes a message rather than waits for the next, it drops the call without cancelling it (seen
-in CI: the router generated all 400 tokens of a cancelled stream, then waited at its last
-message for a reader that never came). So a stream also frees its caches once its reader has
+Ray Serve's gRPC proxy does not always pass a client's cancellation on (seen in CI: the router
+generated all 400 tokens of a cancelled stream, then waited at its last message for a reader
+that never came). As we read the proxy, it cancels the router's call only when the cancellation
+lands while it waits for the next message; landing anywhere else, it drops the call uncancelled. So a stream also frees its caches once its reader has
 not taken a message for CONSUMER_STALL_S (exact either way: pools recompute a released
 request's cache from the token ids every call carries), and `generate` frees them before the
 last message.
