@@ -492,6 +492,48 @@ def test_turns_go_wave_by_wave_rotated():
     assert run.pass_throughputs == [7.5, 15.0]
 
 
+def test_closed_loop_turns_send_each_pass_as_one_turn_and_measure_the_steady_state():
+    """--service-turns streams: one turn per system and pass, A B C C B A, holding every prompt;
+    the steady state counts only requests that ended while every stream was busy."""
+    from specserve.benchmarks.http import StreamResult, steady_state
+    from specserve.benchmarks.service import measuring_turns
+
+    a, b, c = (systems.specserve_system(m, {}) for m in ("none", "draft", "ngram"))
+    turns = measuring_turns([a, b, c], 2, 10, 4, "streams")
+    assert [(s.name, p) for s, p, _ in turns] == [(a.name, 0), (b.name, 0), (c.name, 0),
+                                                   (c.name, 1), (b.name, 1), (a.name, 1)]
+    assert all(prompts == list(range(10)) for _, _, prompts in turns)
+    with pytest.raises(ValueError, match="waves, streams"):
+        measuring_turns([a], 1, 4, 2, "passes")
+
+    def result(started, seconds, tokens):
+        return StreamResult(tokens=tokens, seconds=seconds, started_s=started)
+
+    # 2 streams, 4 requests: stream 1 sends r0 (0-2 s), r2 (2-3 s), r3 (3-6 s); stream 2 sends
+    # r1 (0-4 s), whose end finds the queue empty: that stream idles from then, so r3 (ended
+    # later) ran partly alone and is left out.
+    results = [result(0, 2, 10), result(0, 4, 16), result(2, 1, 8), result(3, 3, 9)]
+    assert steady_state(results, 2) == (10 + 16 + 8, 2 + 4 + 1)
+    assert steady_state(results[:2], 2) is None  # one wave: no moment with every stream busy and more to send
+    run = systems.ServiceRun("x", "draft", "code", 2)
+    assert run.steady_throughput is None and run.as_dict()["steady_tok_s"] is None
+    run.add_steady_state(18, 3.0)
+    run.add_steady_state(12, 3.0)
+    assert run.steady_throughput == 2 * 30 / 6.0
+    assert "steady state 10.00 tok/s" in suite.report._service_notes(run.as_dict())
+
+
+def test_the_bench_takes_its_turns_from_the_command_line():
+    args = suite.build_parser().parse_args(["--preset", "adaptive"])
+    suite.resolve_defaults(args)
+    assert args.service_turns == "waves"
+    args = suite.build_parser().parse_args(["--preset", "adaptive", "--service-turns", "streams"])
+    suite.resolve_defaults(args)
+    assert args.service_turns == "streams"
+    with pytest.raises(SystemExit):
+        suite.build_parser().parse_args(["--service-turns", "passes"])
+
+
 def test_service_mode_measures_a_running_server_with_url(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
@@ -569,6 +611,12 @@ def test_load_aware_table_compares_adaptive_with_the_better_fixed_setting():
     assert one == "| code | 1 | 4.00 | 5.00 | 5.10 | 1.02x | 1.02x | 75% |"
     assert eight == "| code | 8 | 10.00 | 8.00 | 9.60 | 0.96x | 1.20x | 1% |"
     assert load_aware_rows(runs[-2:]) == []
+    # closed-loop turns add the steady state's ratio, where all three settings have one
+    for run, steady in zip(runs[3:6], (9.0, 7.0, 8.1)):
+        run["steady_tok_s"] = steady
+    [head, _, one, eight] = load_aware_rows(runs)
+    assert head.endswith("| the same ratio, steady state |")
+    assert one.endswith("| 75% | - |") and eight.endswith("| 1% | 0.90x |")
 
 
 def test_load_aware_plot_shows_adaptives_ratios_per_level(tmp_path):

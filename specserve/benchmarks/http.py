@@ -27,6 +27,7 @@ class StreamResult:
     seconds: float = 0.0
     speculation: dict = field(default_factory=dict)
     chunk_times: list[float] = field(default_factory=list)  # arrival of each text chunk, s after the request
+    started_s: float = 0.0  # when the request was sent, s after its level began (run_level)
 
 
 async def stream_completion(http, url: str, model: str, prompt: str | list[int], max_tokens: int, method: str | None,
@@ -64,6 +65,8 @@ async def stream_completion(http, url: str, model: str, prompt: str | list[int],
 
 async def run_level(url, model, prompts, max_tokens, concurrency, method, *, speculation: dict | None = None,
                     extra: dict | None = None, transport=None) -> tuple[float, list[StreamResult]]:
+    """`prompts` streamed by `concurrency` clients, each sending its next prompt as soon as its
+    last one ended (a closed loop); the level's wall time and each prompt's result, in order."""
     import httpx
 
     queue = list(prompts)
@@ -74,12 +77,28 @@ async def run_level(url, model, prompts, max_tokens, concurrency, method, *, spe
             while queue:
                 index = len(prompts) - len(queue)
                 prompt = queue.pop(0)
+                sent = time.perf_counter() - started
                 results[index] = await stream_completion(http, url, model, prompt, max_tokens, method,
                                                          speculation=speculation, extra=extra)
+                results[index].started_s = sent
 
         started = time.perf_counter()
         await asyncio.gather(*[worker() for _ in range(concurrency)])
         return time.perf_counter() - started, results
+
+
+def steady_state(results: list[StreamResult], concurrency: int) -> tuple[int, float] | None:
+    """The tokens and request-seconds of a closed-loop level's requests that ended before the
+    first stream ran out of prompts: while all `concurrency` streams were busy, so `concurrency`
+    x tokens / request-seconds is the throughput at that load, without the end where fewer
+    streams are left (the last `concurrency` - 1 requests run at a falling load). None when no
+    request ended in that state (as many prompts as streams: one wave, all tail)."""
+    if len(results) <= concurrency:
+        return None
+    ends = sorted(r.started_s + r.seconds for r in results)
+    first_idle = ends[len(results) - concurrency]  # this end found the queue empty
+    kept = [r for r in results if r.started_s + r.seconds <= first_idle]
+    return sum(r.tokens for r in kept), sum(r.seconds for r in kept)
 
 
 def wait_healthy(url: str, timeout_s: float, server: subprocess.Popen | None) -> None:

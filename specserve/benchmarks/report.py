@@ -47,6 +47,9 @@ Service mode (`serve run` + HTTP, streaming, N concurrent clients over the same 
   p50 and p99 over all chunks (a speculative round can deliver several tokens in one chunk).
 - **overhead/round**: router <-> pool round trips per round beyond the pools' own compute.
 - **same output**: outputs equal to specserve `none`'s at the same concurrency. **✗** flags a mismatch.
+- **steady state** (notes; `--service-turns streams` only): streams x tokens / request-seconds of the
+  requests that ended while every stream was busy: the throughput at exactly that load, without the
+  level's end, where fewer streams are left.
 
 bf16 matmuls round differently for different batch shapes (verifying 5 tokens is not bit-identical
 to decoding 1, a batch of 4 is not 4 batches of 1), so in bfloat16 a near-tie can flip a greedy
@@ -254,22 +257,30 @@ def load_aware_levels(runs: list[dict]) -> list[dict]:
             if not (t_off > 0 and t_on > 0):  # nothing generated: no ratio to show
                 continue
             share = adaptive.get("speculation_off_share")
+            steady = [r.get("steady_tok_s") for r in (off, on, adaptive)]
             levels.append({"workload": workload, "streams": streams, "off": t_off, "on": t_on, "adaptive": t_ad,
                            "vs_better_fixed": t_ad / max(t_on, t_off), "vs_on": t_ad / t_on,
-                           "speculated": None if share is None else 1 - share})
+                           "speculated": None if share is None else 1 - share,
+                           # closed-loop turns: the same ratio while every stream was busy
+                           "steady_vs_better_fixed": steady[2] / max(steady[:2]) if all(steady) else None})
     return levels
 
 
 def load_aware_rows(runs: list[dict]) -> list[str]:
-    """`load_aware_levels` as a Markdown table (empty without a level)."""
+    """`load_aware_levels` as a Markdown table (empty without a level); a column for the steady
+    state where closed-loop turns measured one."""
+    levels = load_aware_levels(runs)
+    steady = any(lv["steady_vs_better_fixed"] is not None for lv in levels)
     rows = [f"| {lv['workload']} | {lv['streams']} | {lv['off']:.2f} | {lv['on']:.2f} | {lv['adaptive']:.2f} "
             f"| {lv['vs_better_fixed']:.2f}x | {lv['vs_on']:.2f}x | {_f(lv['speculated'], '{:.0%}')} |"
-            for lv in load_aware_levels(runs)]
+            + (f" {_f(lv['steady_vs_better_fixed'], '{:.2f}x')} |" if steady else "")
+            for lv in levels]
     if not rows:
         return []
     return ["| workload | streams | always off | always on | adaptive | adaptive / better fixed "
-            "| adaptive / always on | adaptive's rounds that speculate |",
-            "|---|---|---|---|---|---|---|---|", *rows]
+            "| adaptive / always on | adaptive's rounds that speculate |"
+            + (" the same ratio, steady state |" if steady else ""),
+            "|---|---|---|---|---|---|---|---|" + ("---|" if steady else ""), *rows]
 
 
 def _service_notes(run: dict) -> str:
@@ -277,6 +288,9 @@ def _service_notes(run: dict) -> str:
     passes = run.get("pass_throughputs") or []
     if len(passes) > 1:
         notes.append("passes " + ", ".join(f"{t:.2f}" for t in passes) + " tok/s")
+    steady = run.get("steady_tok_s")
+    if steady is not None:
+        notes.append(f"steady state {steady:.2f} tok/s")
     off = run.get("speculation_off_share")
     if off is not None:
         notes.append(f"speculation off in {100 * off:.0f}% of rounds")

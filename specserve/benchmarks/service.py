@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-from specserve.benchmarks.http import run_level, start_server, stop_server, wait_healthy
+from specserve.benchmarks.http import run_level, start_server, steady_state, stop_server, wait_healthy
 from specserve.benchmarks.systems import CANNOT_RUN, FAILED, K, OK, SERVED, ServiceRun, System
 from specserve.benchmarks.workloads import Workload
 from specserve.grpc import grpc_options
@@ -63,7 +63,7 @@ def _log_tail(path: Path, lines: int = 5) -> str:
 
 def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None, url: str, max_tokens: int,
                 requests: int, concurrency: list[int], log_path: Path, bar, repeats: int = 1,
-                startup_timeout_s: float = 900,
+                turns: str = "waves", startup_timeout_s: float = 900,
                 level_done: Callable[[list[ServiceRun]], None] | None = None) -> list[ServiceRun]:
     """At concurrency c each workload sends its first max(requests, c) prompts over c streams,
     once per system per pass, in `repeats` passes whose tokens and wall times add up; the
@@ -75,7 +75,7 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
 
     levels = [(c, w, ids[:max(requests, c)]) for c in concurrency for w, ids in encoded]
     cells = [(c, w, ids, s) for c, w, ids in levels for s in systems]
-    turns = {(c, len(ids)): measuring_turns(systems, repeats, len(ids), c) for c, _, ids in levels}
+    order = {(c, len(ids)): measuring_turns(systems, repeats, len(ids), c, turns) for c, _, ids in levels}
     bar.set_description("serve run (starting)" if manifest else f"server at {url}")
     server = start_server(manifest, str(log_path)) if manifest else None
     try:
@@ -83,7 +83,7 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
             wait_healthy(url, startup_timeout_s, server)
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         except Exception as exc:
-            bar.update(sum(len(t) for t in turns.values()))
+            bar.update(sum(len(t) for t in order.values()))
             reason = f"the server did not start: {exc} (log {log_path}: {_log_tail(log_path)})"
             return [ServiceRun(s.name, s.method, w.name, c, status=CANNOT_RUN, reason=reason) for c, w, _, s in cells]
         refused = {}
@@ -96,7 +96,7 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
         runs = {(c, w.name, s.name): ServiceRun(s.name, s.method, w.name, c) for c, w, _, s in cells}
         finished = []
         for c, workload, prompt_ids in levels:
-            for system, pass_index, prompts in turns[c, len(prompt_ids)]:
+            for system, pass_index, prompts in order[c, len(prompt_ids)]:
                 bar.set_description(f"{system.name} x{c} {workload.name}")
                 run = runs[c, workload.name, system.name]
                 if system.name in refused:
@@ -118,20 +118,26 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
             stop_server(server)
 
 
-TURNS = ("per wave of as many requests as streams, A B .. B A, the order rotated from wave to wave "
-         "(at 1 stream a wave is one prompt)")
+TURN_MODES = ("waves", "streams")
+TURNS = {"waves": "per wave of as many requests as streams, A B .. B A, the order rotated from wave to wave "
+                  "(at 1 stream a wave is one prompt)",
+         "streams": "per pass, A B .. B A: in each turn the streams send all the level's requests, each stream its "
+                    "next as soon as its last one ended (closed loop)"}
 
 
 def turn_count(systems: list[System], encoded: Encoded, *, concurrency: list[int], requests: int,
-               repeats: int) -> int:
+               repeats: int, turns: str = "waves") -> int:
     """How many turns `run_service` measures (its progress bar's total)."""
-    return sum(len(measuring_turns(systems, repeats, len(ids[:max(requests, c)]), c))
+    return sum(len(measuring_turns(systems, repeats, len(ids[:max(requests, c)]), c, turns))
                for c in concurrency for _, ids in encoded)
 
 
-def measuring_turns(systems: list[System], repeats: int, prompts: int,
-                    concurrency: int) -> list[tuple[System, int, list[int]]]:
-    """One level's measuring order: (system, pass, the prompts it sends) in turn. The prompts go
+def measuring_turns(systems: list[System], repeats: int, prompts: int, concurrency: int,
+                    turns: str = "waves") -> list[tuple[System, int, list[int]]]:
+    """One level's measuring order: (system, pass, the prompts it sends) in turn. `turns`
+    "streams": each pass is one turn per system, A B C C B A, in which `concurrency` streams
+    send all the prompts, each stream its next as soon as its last one ended (closed loop: the
+    level's load held, as a service at that concurrency sees it). "waves": the prompts go
     in waves of `concurrency` (the last one may be short), and each wave gets its own turns,
     A B C C B A over the passes, the order rotated from wave to wave; a pass adds up its turns.
     A B .. B A cancels drift that is linear over the level; the rotation keeps one system from
@@ -147,7 +153,10 @@ def measuring_turns(systems: list[System], repeats: int, prompts: int,
         rotated = systems[shift:] + systems[:shift]
         return rotated if pass_index % 2 == 0 else rotated[::-1]
 
-    waves = [list(range(start, min(start + concurrency, prompts))) for start in range(0, prompts, concurrency)]
+    if turns not in TURN_MODES:
+        raise ValueError(f"turns must be one of {', '.join(TURN_MODES)}, not {turns!r}")
+    wave = prompts if turns == "streams" else concurrency
+    waves = [list(range(start, min(start + wave, prompts))) for start in range(0, prompts, wave)]
     return [(s, p, wave) for w, wave in enumerate(waves) for p in range(repeats) for s in order(p, w)]
 
 
@@ -170,6 +179,9 @@ def measure(run: ServiceRun, url: str, model: str, prompt_ids: list[list[int]], 
     first = pass_index == 0
     run.wall_s += wall_s
     run.add_to_pass(pass_index, sum(r.tokens for r in results), wall_s)
+    steady = steady_state(results, run.concurrency)
+    if steady is not None:
+        run.add_steady_state(*steady)
     if first:
         run.requests += len(results)
     for r in results:

@@ -42,7 +42,7 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # Service mode uses shorter answers: a throughput or latency point needs steady streams, not long
 # ones, and it is the longest phase.
 FULL = {"prompts": 8, "max_tokens": 128, "concurrency": [1, 2, 4, 8], "service_requests": 4, "service_max_tokens": 64,
-        "service_repeats": 1, "batch_sizes": [1], "repeats": 2, "vllm_settings": "auto", "modes": ["library", "service"],
+        "service_repeats": 1, "service_turns": "waves", "batch_sizes": [1], "repeats": 2, "vllm_settings": "auto", "modes": ["library", "service"],
         "workloads": list(workloads.WORKLOADS)}
 # --quick's sizes win over a preset's; vLLM starts eager only (a compiled start alone takes ~2.5 minutes)
 QUICK = {"prompts": 1, "max_tokens": 8, "concurrency": [1, 2], "service_requests": 2, "service_max_tokens": 8,
@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--service-repeats", type=int,
                    help=f"service mode: passes over the systems at each concurrency and workload, in alternating "
                         f"order A B .. B A, summed (default {FULL['service_repeats']})")
+    p.add_argument("--service-turns", choices=service.TURN_MODES,
+                   help="service mode: how the systems take turns. waves (default): a wave of as many requests as "
+                        "streams each, rotated from wave to wave; streams: a whole pass each, the streams sending "
+                        "every request of the level in a closed loop, which also reports the steady state (tok/s "
+                        "while every stream was busy; give --service-requests well above the streams)")
     p.add_argument("--manifest", help="service mode: serve this config instead of a generated one for the pair")
     p.add_argument("--url", help="service mode: measure the server already running here (no `serve run`)")
     p.add_argument("--port", type=int, default=8311, help="port of the generated service config (default 8311)")
@@ -119,7 +124,8 @@ def resolve_defaults(args: argparse.Namespace) -> None:
     """Fill what the command line left out: --quick's sizes, then the preset's, then the full run's."""
     preset = presets.PRESETS.get(args.preset or "", {})
     layers = [QUICK, preset, FULL] if args.quick else [preset, FULL]
-    for key in ("prompts", "max_tokens", "concurrency", "batch_sizes", "repeats", "service_repeats", "vllm_settings", "modes",
+    for key in ("prompts", "max_tokens", "concurrency", "batch_sizes", "repeats", "service_repeats", "service_turns",
+                "vllm_settings", "modes",
                 "workloads", "systems", "manifest"):
         if getattr(args, key) is None:
             setattr(args, key, next((layer[key] for layer in layers if key in layer), None))
@@ -202,7 +208,8 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
     n_vllm = sum(s.engine == "vllm" for s in lib_systems)
     total = (len(lib_systems) * args.repeats + n_vllm * (len(settings) - 1)) * calls \
         + service.turn_count(svc_systems, svc_encoded, concurrency=args.concurrency,
-                             requests=args.service_requests, repeats=args.service_repeats)
+                             requests=args.service_requests, repeats=args.service_repeats,
+                             turns=args.service_turns)
     bar = tqdm(total=total, disable=args.no_progress, file=sys.stderr, unit="call", dynamic_ncols=True)
     machine = machine_info(args)
     notes = []
@@ -227,7 +234,7 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict:
             "vllm_kv_cache_gib": library.VLLM_KV_CACHE_GIB if n_vllm else None,
             "concurrency": args.concurrency if svc_systems else [],
             "service_requests": args.service_requests, "service_max_tokens": args.service_max_tokens,
-            "service_repeats": args.service_repeats, "service_turns": service.TURNS,
+            "service_repeats": args.service_repeats, "service_turns": service.TURNS[args.service_turns],
             "manifest": args.url or args.manifest,
             "workloads": [_describe(w) for w in lib_workloads] if lib_systems else [],
             "service_workloads": [_describe(w) for w in svc_workloads],
@@ -440,7 +447,7 @@ def _service_mode(args, svc_systems, encoded, out, bar, phases, save_partial) ->
     url = args.url or f"http://127.0.0.1:{service.manifest_port(manifest)}"
     runs = service.run_service(svc_systems, encoded, manifest=None if args.url else manifest, url=url.rstrip("/"),
                                max_tokens=args.service_max_tokens, requests=args.service_requests,
-                               repeats=args.service_repeats,
+                               repeats=args.service_repeats, turns=args.service_turns,
                                concurrency=args.concurrency, log_path=out / "serve.log", bar=bar,
                                level_done=lambda finished: save_partial(service=_compared(finished)))
     phases["service_s"] = time.monotonic() - started

@@ -284,6 +284,10 @@ class ServiceRun:
     pass_wall_s: list[float] = field(default_factory=list)
     # the load-aware policy's rounds per reason (warmup, model, probe, measured), all requests
     policy_decisions: dict[str, int] = field(default_factory=dict)
+    # closed-loop turns: tokens and request-seconds of the requests that ran while every stream
+    # was busy (http.steady_state), summed over turns
+    steady_tokens: int = 0
+    steady_request_s: float = 0.0
 
     @property
     def throughput(self) -> float:
@@ -313,6 +317,16 @@ class ServiceRun:
         """A request's `usage.speculation.policy_decisions` ({reason: rounds})."""
         for reason, rounds in decisions.items():
             self.policy_decisions[reason] = self.policy_decisions.get(reason, 0) + rounds
+
+    def add_steady_state(self, tokens: int, request_s: float) -> None:
+        self.steady_tokens += tokens
+        self.steady_request_s += request_s
+
+    @property
+    def steady_throughput(self) -> float | None:
+        """tok/s while all the streams were busy (closed-loop turns only): streams x tokens per
+        request-second, i.e. the service's throughput at exactly this load."""
+        return self.concurrency * self.steady_tokens / self.steady_request_s if self.steady_request_s else None
 
     @property
     def speculation_off_share(self) -> float | None:
@@ -345,7 +359,8 @@ class ServiceRun:
         data = asdict(self)
         data.update(throughput_tok_s=self.throughput, mean_accepted_length=self.mean_accepted_length,
                     overhead_ms_per_round=self.overhead_ms_per_round, mismatch=self.mismatch,
-                    speculation_off_share=self.speculation_off_share, pass_throughputs=self.pass_throughputs)
+                    speculation_off_share=self.speculation_off_share, pass_throughputs=self.pass_throughputs,
+                    steady_tok_s=self.steady_throughput)
         for name in ("ttft_s", "itl_s"):
             for q in (50, 99):
                 data[f"{name[:-2]}_p{q}_s"] = self.percentile(name, q)
