@@ -633,9 +633,19 @@ def test_load_aware_plot_shows_adaptives_ratios_per_level(tmp_path):
     assert written["load_aware"] == "load_aware.png"
     assert matplotlib.image.imread(tmp_path / "load_aware.png").shape[0] > 100
     assert "](load_aware.png)" in markdown({**saved, "plots": written})
+    # the list of kept runs is linked only from docs/BENCHMARKS.md, where the link resolves
+    assert "](bench/README.md)" not in markdown(saved) and "`docs/bench/README.md`" in markdown(saved)
+    assert "[docs/bench/README.md](bench/README.md)" in markdown(saved, runs_index="bench/README.md")
     no_adaptive = {**saved, "service": [r for r in saved["service"] if "adaptive" not in r["system"]]}
     (tmp_path / "none").mkdir()
     assert "load_aware" not in write_plots(no_adaptive, tmp_path / "none")
+    # a closed-loop run (--service-turns streams) also has the steady state's ratio, plotted beside
+    closed = json.loads((pathlib.Path(__file__).parents[1] / "docs" / "bench" / "adaptive-streams-epyc" / "chat8"
+                         / "results.json").read_text())
+    [level] = load_aware_levels(closed["service"])
+    assert (round(level["vs_better_fixed"], 2), round(level["steady_vs_better_fixed"], 2)) == (0.90, 0.95)
+    (tmp_path / "closed").mkdir()
+    assert write_plots(closed, tmp_path / "closed")["load_aware"] == "load_aware.png"
 
 
 def _saved_run(workload: str, **changes) -> dict:

@@ -82,6 +82,11 @@ def _load_aware(levels: list[dict], path: Path) -> str:
                         label=f"{workload}: adaptive / better fixed")
         ax.plot(streams, [lv["vs_on"] for lv in mine], marker="x", linestyle=":", color=line.get_color(),
                 label=f"{workload}: adaptive / always on")
+        steady = [(lv["streams"], lv["steady_vs_better_fixed"]) for lv in mine
+                  if lv.get("steady_vs_better_fixed") is not None]  # closed-loop turns only
+        if steady:
+            ax.plot(*zip(*steady), marker="s", linestyle="--", color=line.get_color(), fillstyle="none",
+                    label=f"{workload}: adaptive / better fixed, steady state")
         for lv in mine:
             ax.annotate(f"{lv['vs_better_fixed']:.2f}", (lv["streams"], lv["vs_better_fixed"]),
                         textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)

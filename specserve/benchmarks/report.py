@@ -440,7 +440,11 @@ def _measured_by(doc: dict) -> str:
             f"workloads or levels (ratios are within a run): " + "; ".join(one(r) for r in runs) + ".")
 
 
-def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmarks") -> str:
+def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmarks",
+             runs_index: str | None = None) -> str:
+    """The run's page. `image_prefix`: where its plots are, relative to the page; `runs_index`:
+    the link to docs/bench/README.md from where the page goes (None: a run's own page, written
+    anywhere, names it without a link)."""
     setup = doc["setup"]
     out = [f"# {title}", ""]
     if setup.get("quick"):
@@ -481,7 +485,7 @@ def markdown(doc: dict, image_prefix: str = "", title: str = "specserve benchmar
             "writes them as `docs/BENCHMARKS.md` and `docs/bench/*.png`; `--render results.json` renders a "
             "saved run again (several, pieces of one sweep, join into one page). Runs of one preset (every "
             "proposer, Medusa, load-aware speculation, ...) are kept in `docs/bench/` and listed in "
-            "[docs/bench/README.md](bench/README.md).", ""]
+            + (f"[docs/bench/README.md]({runs_index})." if runs_index else "`docs/bench/README.md`."), ""]
     return "\n".join(out)
 
 

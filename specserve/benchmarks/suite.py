@@ -571,4 +571,5 @@ def write_outputs(doc: dict, out: Path, docs: str | None) -> None:
         write_plots(doc, images)
         page = Path(docs) / "BENCHMARKS.md"
         kept = report.kept_sections(page.read_text()) if page.exists() else []
-        page.write_text(report.markdown(doc, image_prefix="bench/") + "".join(f"\n{k}\n" for k in kept))
+        page.write_text(report.markdown(doc, image_prefix="bench/", runs_index="bench/README.md")
+                        + "".join(f"\n{k}\n" for k in kept))
