@@ -503,6 +503,9 @@ def test_closed_loop_turns_send_each_pass_as_one_turn_and_measure_the_steady_sta
     assert [(s.name, p) for s, p, _ in turns] == [(a.name, 0), (b.name, 0), (c.name, 0),
                                                    (c.name, 1), (b.name, 1), (a.name, 1)]
     assert all(prompts == list(range(10)) for _, _, prompts in turns)
+    four = measuring_turns([a, b, c], 4, 10, 4, "streams")  # each pair of passes rotated
+    assert [s.name for s, _, _ in four] == [x.name for x in (a, b, c, c, b, a, b, c, a, a, c, b)]
+    assert len({sum(i for i, (s, _, _) in enumerate(four) if s is x) for x in (a, b, c)}) == 1
     with pytest.raises(ValueError, match="waves, streams"):
         measuring_turns([a], 1, 4, 2, "passes")
 

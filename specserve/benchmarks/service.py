@@ -121,8 +121,8 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
 TURN_MODES = ("waves", "streams")
 TURNS = {"waves": "per wave of as many requests as streams, A B .. B A, the order rotated from wave to wave "
                   "(at 1 stream a wave is one prompt)",
-         "streams": "per pass, A B .. B A: in each turn the streams send all the level's requests, each stream its "
-                    "next as soon as its last one ended (closed loop)"}
+         "streams": "per pass, A B .. B A, each further pair of passes rotated: in each turn the streams send all "
+                    "the level's requests, each stream its next as soon as its last one ended (closed loop)"}
 
 
 def turn_count(systems: list[System], encoded: Encoded, *, concurrency: list[int], requests: int,
@@ -137,7 +137,11 @@ def measuring_turns(systems: list[System], repeats: int, prompts: int, concurren
     """One level's measuring order: (system, pass, the prompts it sends) in turn. `turns`
     "streams": each pass is one turn per system, A B C C B A, in which `concurrency` streams
     send all the prompts, each stream its next as soon as its last one ended (closed loop: the
-    level's load held, as a service at that concurrency sees it). "waves": the prompts go
+    level's load held, as a service at that concurrency sees it); each further pair of passes
+    rotates the order (B C A A C B), so over 2 x len(systems) passes every system holds the
+    middle alike (at chat 8 streams adaptive's two middle turns, between always on's, ran the
+    target's passes 5-8% slower than always off's, which the same turns without always on
+    between did not: docs/bench/adaptive-streams-epyc). "waves": the prompts go
     in waves of `concurrency` (the last one may be short), and each wave gets its own turns,
     A B C C B A over the passes, the order rotated from wave to wave; a pass adds up its turns.
     A B .. B A cancels drift that is linear over the level; the rotation keeps one system from
@@ -157,7 +161,9 @@ def measuring_turns(systems: list[System], repeats: int, prompts: int, concurren
         raise ValueError(f"turns must be one of {', '.join(TURN_MODES)}, not {turns!r}")
     wave = prompts if turns == "streams" else concurrency
     waves = [list(range(start, min(start + wave, prompts))) for start in range(0, prompts, wave)]
-    return [(s, p, wave) for w, wave in enumerate(waves) for p in range(repeats) for s in order(p, w)]
+    rotate_passes = turns == "streams"  # one wave: the passes rotate instead
+    return [(s, p, wave) for w, wave in enumerate(waves) for p in range(repeats)
+            for s in order(p, w + (p // 2 if rotate_passes else 0))]
 
 
 def speculation(system: System) -> dict | None:
