@@ -118,11 +118,11 @@ def run_service(systems: list[System], encoded: Encoded, *, manifest: str | None
             stop_server(server)
 
 
-TURN_MODES = ("waves", "streams")
 TURNS = {"waves": "per wave of as many requests as streams, A B .. B A, the order rotated from wave to wave "
                   "(at 1 stream a wave is one prompt)",
          "streams": "per pass, A B .. B A, each further pair of passes rotated: in each turn the streams send all "
                     "the level's requests, each stream its next as soon as its last one ended (closed loop)"}
+TURN_MODES = tuple(TURNS)
 
 
 def turn_count(systems: list[System], encoded: Encoded, *, concurrency: list[int], requests: int,
@@ -159,11 +159,11 @@ def measuring_turns(systems: list[System], repeats: int, prompts: int, concurren
 
     if turns not in TURN_MODES:
         raise ValueError(f"turns must be one of {', '.join(TURN_MODES)}, not {turns!r}")
-    wave = prompts if turns == "streams" else concurrency
-    waves = [list(range(start, min(start + wave, prompts))) for start in range(0, prompts, wave)]
-    rotate_passes = turns == "streams"  # one wave: the passes rotate instead
+    closed_loop = turns == "streams"  # one wave of every prompt: the pairs of passes rotate instead
+    size = prompts if closed_loop else concurrency
+    waves = [list(range(start, min(start + size, prompts))) for start in range(0, prompts, size)]
     return [(s, p, wave) for w, wave in enumerate(waves) for p in range(repeats)
-            for s in order(p, w + (p // 2 if rotate_passes else 0))]
+            for s in order(p, p // 2 if closed_loop else w)]
 
 
 def speculation(system: System) -> dict | None:
