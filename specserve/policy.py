@@ -579,6 +579,9 @@ class _ModeGoodput:
 
     model: float | None = None
     off: float | None = None
+    # the tokens a model round was expected to emit (the requests' acceptance: RequestState's
+    # model_yield) in the epochs behind `model`, averaged alike (None: not given)
+    model_yield: float | None = None
     epochs: int = 0
     measurements: dict[str, int] = field(default_factory=dict)  # epochs that measured each mode
     explore_every: int = 5  # epochs between explorations now
@@ -685,11 +688,24 @@ class MeasuredModes:
     prefills, which its epoch would measure as the model's; a request of a burst owes its
     prompt's until its second round), but is no switch: it takes nothing from the budget.
 
-    Forgetting. A level where no round began for `stale_s` is measured afresh when requests come
-    back to it: what comes back need not be what left (on the bench, chat at 8 streams after
-    code at 8 inherited code's model estimate of 13.2 tok/s: off went unmeasured for two minutes,
-    being predicted to lose by more than `off_margin`, and chat's own epochs of the model, 6.3-9.5
-    tok/s, moved the estimate only to 9.9, above off's 8.8, while always off ran 1.2x always on).
+    Acceptance. What comes back to a level need not be what left it: on the bench, chat at 8
+    streams after code at 8 inherited code's model estimate of 13.2 tok/s, off went unmeasured
+    for two minutes (predicted to lose by more than `off_margin`), and chat's own epochs of the
+    model, 6.3-9.5 tok/s, moved the estimate only to 9.9, above off's 8.8, while always off ran
+    1.2x always on. The model's goodput at a level scales with the tokens its rounds emit, and
+    what differs between workloads at one load is mostly that: so each model epoch also records
+    the tokens its rounds were expected to emit (`begin`'s `model_yield`, from the requests'
+    acceptance), and the level's estimate of the model is what it measured, scaled by the
+    yield expected now over the yield it was measured at (`model_estimate`). Off emits one token
+    a round whatever the acceptance. Scaling by tokens alone leaves out that rounds of poorer
+    drafts also draft less (a draft model stops where its confidence falls), so it rates the
+    model of a workload with poorer drafts a little low: toward off.
+
+    Forgetting. A level where no round began for `stale_s` (an hour) is measured afresh when
+    requests come back to it (the pools may have been rescaled, the machine changed). It was a
+    minute before the estimates followed the acceptance, and then every return to a level after
+    a minute paid a first look at the model again: at chat 8 streams in a closed loop, a ~15-s
+    first look measuring the model at 0.88x off cost such a turn ~10% against always off.
 
     Predicting off. Off's costs are the target's passes and nothing else, which the load model
     sees whole (`LoadModel.off_goodput`): where the model measured above that prediction by
@@ -738,7 +754,8 @@ class MeasuredModes:
     # by model_margin: 1.2 x 1.3 = 1.56, so 60%. At 40%, chat 8's first look at the model (1.45x
     # the prediction) left off unmeasured for a whole pass: 0.90x always off.
     off_margin: float = 0.6
-    stale_s: float = 60.0  # a level where no round began for this long starts afresh
+    stale_s: float = 3600.0  # a level where no round began for this long starts afresh
+    yield_weight: float = 0.1  # a steered round's weight in the yield expected now (~the last 10 rounds)
     levels: dict[int, _ModeGoodput] = field(default_factory=dict)
     current: str = "model"
     warming_up: bool = False  # the running epoch warms the model up: not measured
@@ -755,6 +772,9 @@ class MeasuredModes:
     _tokens_sq: int = 0  # ... and the sum of each one's tokens squared
     _seconds: float = 0.0  # ... in their own time
     _in_flight: int = 0  # summed over the window's round starts
+    _yields: float = 0.0  # summed over the window's counted round starts that gave a model_yield ...
+    _yielded: int = 0  # ... and their number
+    yield_now: float | None = None  # EMA of the steered rounds' model_yield: the acceptance now
     _exploring: bool = False  # the running epoch runs the mode its level measured worse
     _switch_cost_s: float = 0.0  # what a switch to the model would cost now (begin's argument)
     _off_predicted: float | None = None  # the goodput off would have now, predicted (begin's argument)
@@ -780,16 +800,19 @@ class MeasuredModes:
         return in_flight >= self.min_in_flight
 
     def estimates(self, in_flight: int) -> dict[str, float | None] | None:
-        """The goodput measured so far for each mode at this many requests in flight (None where
-        the epochs do not measure)."""
+        """The goodput measured so far for each mode at this many requests in flight, and the
+        model's scaled to the acceptance now (see "Acceptance"); None where the epochs do not
+        measure."""
         if not self.measures(in_flight):
             return None
         measured = self.levels.get(self.level(in_flight), _ModeGoodput())
         return {"model": measured.model, "off": measured.off, "off_predicted": self._off_predicted,
-                "switch_cost_s": round(self._switch_cost_s, 3)}
+                "switch_cost_s": round(self._switch_cost_s, 3), "model_scaled": self.model_estimate(measured),
+                "model_yield": measured.model_yield, "yield_now": self.yield_now}
 
     def begin(self, now: float, in_flight: int, *, prefilling: bool = False, catching_up: bool = False,
-              first_round: bool = False, switch_cost_s: float = 0.0, off_predicted: float | None = None) -> RoundTicket:
+              first_round: bool = False, switch_cost_s: float = 0.0, off_predicted: float | None = None,
+              model_yield: float | None = None) -> RoundTicket:
         """A round of a steered request begins now: its mode, "model" (the per-request policy
         decides) or "off". `prefilling`: a prompt prefill runs now (PrefillWatch.active, this
         round's own included); `catching_up`: a draft pool's catch-up runs now
@@ -797,9 +820,14 @@ class MeasuredModes:
         `first_round`: this round prefills its prompt (never counted); `switch_cost_s`: what
         switching the requests to the model would cost now (the draft pools' catch-ups,
         predicted; 0 without a draft pool); `off_predicted`: the goodput off would have now
-        (LoadModel.off_goodput; None: not known, so off is measured). Hand the ticket to `end`
-        when the round ends, however it ends."""
+        (LoadModel.off_goodput; None: not known, so off is measured); `model_yield`: the tokens
+        this request's round would emit on average if it speculated as the model does (its
+        acceptance; None: not known), see "Acceptance". Hand the ticket to `end` when the round
+        ends, however it ends."""
         self._switch_cost_s, self._off_predicted = switch_cost_s, off_predicted
+        if model_yield is not None:
+            self.yield_now = (model_yield if self.yield_now is None
+                              else self.yield_now + self.yield_weight * (model_yield - self.yield_now))
         level = self.level(in_flight) if self.measures(in_flight) else 0
         self._advance(now, level, in_flight, prefilling, catching_up)
         counted = self._window and not first_round
@@ -808,6 +836,9 @@ class MeasuredModes:
             self._starts += 1
             self._open += 1
             self._in_flight += in_flight
+            if model_yield is not None:
+                self._yields += model_yield
+                self._yielded += 1
         return RoundTicket(self.current, self.epoch, counted)
 
     def end(self, ticket: RoundTicket, tokens: int | None, seconds: float = 0.0, overlapped: bool = False) -> None:
@@ -907,7 +938,8 @@ class MeasuredModes:
         self._window = level > 0 and not self.warming_up and not self._settling
         self._needed = max(in_flight, self.min_in_flight)
         self._starts = self._open = self._kept = self._tokens = self._tokens_sq = self._in_flight = 0
-        self._seconds = 0.0
+        self._yielded = 0
+        self._seconds = self._yields = 0.0
         self._exploring, self._retries = exploring, retries
 
     def _precise(self) -> bool:
@@ -944,6 +976,15 @@ class MeasuredModes:
         measured.measurements[self.current] = count
         weight = max(self.weight, 1 / count)  # the first epochs evenly: one short draw must not set it
         setattr(measured, self.current, goodput if last is None else last + weight * (goodput - last))
+        if self.current == "model":
+            # the yield it was measured at, averaged alike; a level measured without yields has none
+            epoch_yield = self._yields / self._yielded if self._yielded else None
+            if last is None:
+                measured.model_yield = epoch_yield
+            elif measured.model_yield is not None and epoch_yield is not None:
+                measured.model_yield += weight * (epoch_yield - measured.model_yield)
+            else:  # measured partly without yields: left unscaled
+                measured.model_yield = None
         measured.epochs += 1
         if self._exploring:  # it overturned the decision where the mode it explored is now the better
             self._back_off(measured, overturned=self._best(measured) == self.current)
@@ -960,12 +1001,21 @@ class MeasuredModes:
         return self.levels.setdefault(level, _ModeGoodput(explore_every=self.explore_every,
                                                           next_explore=self.explore_every))
 
+    def model_estimate(self, measured: _ModeGoodput) -> float | None:
+        """The model's goodput at the level, at the acceptance expected now: what its epochs
+        measured, scaled by the yield expected now over the yield it was measured at (see
+        "Acceptance"; unscaled where either is not known)."""
+        if measured.model is None or not measured.model_yield or self.yield_now is None:
+            return measured.model
+        return measured.model * self.yield_now / measured.model_yield
+
     def _best(self, measured: _ModeGoodput) -> str:
         """The better mode by the level's measurements: the model only where it measured more
         than `model_margin` above off (see "Deciding" in the class docstring)."""
         if measured.off is None:
             return "model"
-        leads = measured.model is not None and measured.model > measured.off * (1 + self.model_margin)
+        model = self.model_estimate(measured)
+        leads = model is not None and model > measured.off * (1 + self.model_margin)
         return "model" if leads else "off"
 
     def _next(self, level: int, prefilling: bool) -> tuple[str, bool]:
@@ -998,5 +1048,6 @@ class MeasuredModes:
         then an epoch of off (a first measurement or an exploration) would only confirm it, at
         the cost of the epoch and of the switch back (at code 4 streams the wave's one off epoch
         was half the gap to always on)."""
-        return (measured.model is not None and self._off_predicted is not None
-                and measured.model > self._off_predicted * (1 + self.off_margin))
+        model = self.model_estimate(measured)
+        return (model is not None and self._off_predicted is not None
+                and model > self._off_predicted * (1 + self.off_margin))

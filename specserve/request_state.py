@@ -271,6 +271,15 @@ class RequestState:
         return decision
 
     @property
+    def model_yield(self) -> float | None:
+        """The tokens a round at the configured depth would emit on average by this request's
+        acceptance so far (None before its first plan): MeasuredModes scales a level's measured
+        goodput of the model by it (see "Acceptance" there)."""
+        if self.acceptance is None:
+            return None
+        return self.acceptance.expected_tokens(self.speculation.depth)
+
+    @property
     def needs_proposer(self) -> bool:
         """Whether this round's draft comes from a separate proposer (a draft pool, or the
         n-gram lookup). Co-located heads propose during the previous round's verify pass instead."""

@@ -570,26 +570,65 @@ def test_the_model_s_window_stays_open_until_its_tokens_a_round_are_known():
 
 
 def test_a_level_not_seen_for_a_while_is_measured_afresh():
-    """Chat at 8 streams after code at 8 inherited code's model estimate (13.2 tok/s): off went
-    unmeasured, predicted to lose, and chat's own epochs (6.3-9.5) left the estimate above off's
-    8.8 where always off ran 1.2x always on. A level where no round began for `stale_s` starts
-    afresh: the model first, then off."""
-    modes = MeasuredModes(epoch_s=1.0, max_token_error=None, stale_s=60.0)
+    """A level where no round began for `stale_s` (the pools may have been rescaled since)
+    starts afresh: the model first, then off. Within it, a level that load comes back to keeps
+    its estimates: relearning it after a minute cost a closed loop at chat 8 streams ~10% a turn."""
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
+    assert modes.stale_s == 3600.0
     level = MeasuredModes.level(8)
     stale = modes._measured(level)
     stale.model, stale.off = 13.2, 8.8
     assert modes.begin(0.0, 8).mode == "model"
     modes.begin(0.0, 1)  # the load falls below the measured levels ...
-    assert modes.begin(30.0, 8).mode == "model" and modes.levels[level].model == 13.2  # ... back within a minute: kept
-    modes.begin(30.0, 1)
-    ticket = modes.begin(100.0, 8)  # ... back after 70 s: measured afresh
+    assert modes.begin(600.0, 8).mode == "model" and modes.levels[level].model == 13.2  # ... back in 10 min: kept
+    modes.begin(600.0, 1)
+    ticket = modes.begin(4300.0, 8)  # ... back after an idle hour: measured afresh
     fresh = modes.levels[level]
     assert ticket.mode == "model" and (fresh.model, fresh.off, fresh.warmed) == (None, None, False)
-    rounds = [ticket] + [modes.begin(100.0 + 0.1 * i, 8) for i in range(1, 8)]
+    rounds = [ticket] + [modes.begin(4300.0 + 0.1 * i, 8) for i in range(1, 8)]
     for r in rounds:
         modes.end(r, 2, 2.0)  # the model: 8 tok/s
-    assert modes.begin(102.0, 8, off_predicted=7.0).mode == "off"  # 8 is within off_margin of 7: off is measured
+    assert modes.begin(4302.0, 8, off_predicted=7.0).mode == "off"  # 8 is within off_margin of 7: off is measured
     assert modes.levels[level].model == pytest.approx(8.0)
+
+
+def test_the_model_s_estimate_follows_the_acceptance():
+    """Chat at 8 streams after code at 8 inherited code's estimate of the model (13.2 tok/s
+    where chat's own epochs measured 6.3-9.5) and ran it while always off ran 1.2x always on.
+    The model's goodput at a load scales with the tokens its rounds emit: the estimate is scaled
+    by the yield expected now (the requests' acceptance) over the yield it was measured at, so
+    a workload with poorer drafts goes to off without a look at the model, one with the drafts
+    it was measured at goes back to it, and epochs at another yield average in alike."""
+    level = MeasuredModes.level(4)
+    modes = MeasuredModes(epoch_s=4.0, max_token_error=None, model_margin=0.2, yield_weight=1.0)
+    # code: 2 tokens a round where its drafts expect 3.5, the model 2x off
+    assert four_request_epoch(modes, 0.0, 2, model_yield=3.5) == "model"
+    assert four_request_epoch(modes, 5.0, 1, model_yield=3.5) == "off"
+    # chat's drafts expect 1.4 tokens a round: the model is 0.8x off, so off, without a look at it
+    assert four_request_epoch(modes, 10.0, 1, model_yield=1.4) == "off"
+    measured = modes.levels[level]
+    assert (measured.model, measured.off, measured.model_yield) == (pytest.approx(2.0), pytest.approx(1.0), 3.5)
+    assert modes.model_estimate(measured) == pytest.approx(0.8)
+    assert modes.estimates(4)["model_scaled"] == pytest.approx(0.8)
+    # code's acceptance again: the model
+    assert four_request_epoch(modes, 15.0, 2, model_yield=3.5) == "model"
+    assert modes.model_estimate(measured) == pytest.approx(2.0)
+
+    # The model running on (off predicted far below it): code's epoch, 3 tokens a round at
+    # 3.5, then chat's, 1 at 1.5 (still far ahead of off's prediction at its own yield: 1.29 >
+    # 1.6 x 0.5): the second epoch weighs 1/2, its yield too.
+    modes = MeasuredModes(epoch_s=4.0, max_token_error=None, yield_weight=1.0)
+    assert four_request_epoch(modes, 0.0, 3, model_yield=3.5, off_predicted=0.5) == "model"
+    assert four_request_epoch(modes, 5.0, 1, model_yield=1.5, off_predicted=0.5) == "model"
+    modes.begin(10.0, 4, model_yield=1.5, off_predicted=0.5)
+    measured = modes.levels[level]
+    assert (measured.model, measured.model_yield) == (pytest.approx(2.0), pytest.approx(2.5))
+    assert modes.model_estimate(measured) == pytest.approx(2.0 * 1.5 / 2.5)
+    # no yields given (a caller that does not know the acceptance): the goodput as measured
+    plain = MeasuredModes(epoch_s=4.0, max_token_error=None)
+    four_request_epoch(plain, 0.0, 2)
+    plain.begin(5.0, 4)
+    assert plain.levels[level].model_yield is None and plain.model_estimate(plain.levels[level]) == pytest.approx(2.0)
 
 
 def test_a_mode_s_first_epochs_weigh_alike():

@@ -58,7 +58,8 @@ def policy_seconds_per_round(spec: Speculation, streams: int, rounds: int, rng: 
         started = time.perf_counter()
         # the router's calls, in its order (serve/router.py `_rounds`)
         ticket = modes.begin(now, streams, prefilling=False, catching_up=catch_up_owed(states), first_round=False,
-                             switch_cost_s=switch_cost_s(load, states), off_predicted=load.off_goodput())
+                             switch_cost_s=switch_cost_s(load, states), off_predicted=load.off_goodput(),
+                             model_yield=state.model_yield)
         state.plan_round(policy, load, measured_off=ticket.mode == "off", measured_level=modes.measures(streams))
         k = state.round_k()
         speculated += k > 0

@@ -42,8 +42,9 @@ def trace_line(state: RequestState, decision: Decision | None, *, mode: str, in_
     the model; `draft_syncing`: the draft pool catches up on the request in the background
     (its rounds run target-only meanwhile); `counted`: it began in its epoch's (`epoch`,
     numbered) window; `overlapped`: a prompt prefill or a draft pool's catch-up ran during it,
-    so its epoch leaves it out; `estimates`: each mode's goodput measured so far at this load, off's predicted from the
-    load model, and what a switch to the model would cost now; see MeasuredModes). Where a
+    so its epoch leaves it out; `estimates`: each mode's goodput measured so far at this load, the model's scaled to
+    the acceptance now (with the yields it scales by), off's predicted from the load model, and
+    what a switch to the model would cost now; see MeasuredModes). Where a
     round's time went: `verify_s` and `draft_s`, the pools' own time on its verify and on its
     draft; `drafted_ahead`, its draft came from the last round's verify
     (speculation.draft_ahead); `ahead_wait_s`, how long it waited for the next round's draft

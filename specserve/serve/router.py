@@ -384,7 +384,7 @@ class Router(GrpcApi):
                 ticket = (self.modes.begin(round_start, self.in_rounds, prefilling=self.prefills.active > 0 or prefill,
                                            catching_up=self._catching_up(), first_round=prefill,
                                            switch_cost_s=switch_cost_s(self.load, self.steered.values()),
-                                           off_predicted=self.load.off_goodput())
+                                           off_predicted=self.load.off_goodput(), model_yield=state.model_yield)
                           if state.adaptive else None)
                 mode = ticket.mode if ticket is not None else "model"
                 warming_up = ticket is not None and self.modes.warming_up
