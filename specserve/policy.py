@@ -687,6 +687,11 @@ class MeasuredModes:
     up too while prompts prefill or catch-ups run or are owed (the new requests' draft
     prefills, which its epoch would measure as the model's; a request of a burst owes its
     prompt's until its second round), but is no switch: it takes nothing from the budget.
+    An exploration of the model that measured it below off cost its window too, the share of
+    its seconds the model fell short by, and that goes into the budget's wait as the warm-up
+    does: at chat 8 streams in a closed loop one such exploration (a 6-s warm-up, then 14 s of
+    the model at 0.77x off) cost an 80-s turn ~8%, and the warm-up alone had let the next
+    come two minutes of the level's time later.
 
     Acceptance. What comes back to a level need not be what left it: on the bench, chat at 8
     streams after code at 8 inherited code's model estimate of 13.2 tok/s, off went unmeasured
@@ -891,7 +896,7 @@ class MeasuredModes:
             self._window = False  # the tail: rounds still begin in this mode, uncounted
         if (self._window or self._open) and elapsed < self.max_epoch_s:
             return
-        measured = not self._window and not self._open and self._close()
+        measured = not self._window and not self._open and self._close(elapsed)
         if not measured and self._exploring and self._retries < self.explore_retries:  # the exploration goes on
             self._start(now, level, in_flight, self.current, True, self._retries + 1)
             return
@@ -961,12 +966,13 @@ class MeasuredModes:
         """Whether rounds of a mode other than the running one have not ended yet."""
         return any(n > 0 for mode, n in self._running.items() if mode != self.current)
 
-    def _close(self) -> bool:
+    def _close(self, window_s: float) -> bool:
         """Measure the epoch whose rounds all ended; returns whether it measured its mode: not
         if most of its rounds failed or overlapped arrivals (the rest are too few to tell the
         mode's goodput from one round's acceptance: at code 16 streams the model's first look,
         its window opened while the wave's last prompts prefilled, kept 1 round of 16, 2 tokens
-        in 2.7 s, and measured 11.8 tok/s where always on's steady state ran ~20)."""
+        in 2.7 s, and measured 11.8 tok/s where always on's steady state ran ~20). `window_s`: the
+        seconds the epoch ran, its window and its tail."""
         if not self._seconds or 2 * self._kept < self._starts:
             return False
         goodput = self._tokens / self._seconds * self._in_flight / self._starts
@@ -986,6 +992,10 @@ class MeasuredModes:
             else:  # measured partly without yields: left unscaled
                 measured.model_yield = None
         measured.epochs += 1
+        if self._exploring and self.current == "model" and measured.off and goodput < measured.off:
+            # what the exploration's window lost against off counts against the budget too
+            lost_s = window_s * (1 - goodput / measured.off)
+            measured.explore_after = max(measured.explore_after, measured.clock) + self._budget_wait(lost_s)
         if self._exploring:  # it overturned the decision where the mode it explored is now the better
             self._back_off(measured, overturned=self._best(measured) == self.current)
         return True
