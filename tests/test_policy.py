@@ -573,8 +573,8 @@ def test_the_model_s_window_stays_open_until_its_tokens_a_round_are_known():
 
 def test_a_level_not_seen_for_a_while_is_measured_afresh():
     """A level where no round began for `stale_s` (the pools may have been rescaled since)
-    starts afresh: the model first, then off. Within it, a level that load comes back to keeps
-    its estimates: relearning it after a minute cost a closed loop at chat 8 streams ~10% a turn."""
+    starts afresh: the model first, then off. Sooner than that, a level that load comes back to
+    keeps its estimates: relearning it after a minute cost a closed loop at chat 8 streams ~10% a turn."""
     modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
     assert modes.stale_s == 3600.0
     level = MeasuredModes.level(8)
