@@ -674,7 +674,9 @@ def test_an_adaptive_request_in_a_burst_leaves_its_prompt_s_catch_up_to_its_next
     """A burst's requests enter one by one, so the first ones would decide at the load of the
     few before them; a first round that begins while other prompts prefill does not start its
     draft pool's catch-up (its next round, at the burst's load, decides). A lone request's
-    does, and a fixed setting's is not held back."""
+    does, a fixed setting's is not held back, and neither is one below the levels the epochs
+    measure (the model speculates there anyway: held back, it would draft out of step with
+    the others)."""
     prompt = list(range(1, 41))
 
     def request(policy):
@@ -684,6 +686,7 @@ def test_an_adaptive_request_in_a_burst_leaves_its_prompt_s_catch_up_to_its_next
     adaptive = request("adaptive")
     assert adaptive.draft_sync_due() and not adaptive.draft_sync_due(others_prefilling=True)
     assert request("fixed").draft_sync_due(others_prefilling=True)
+    assert adaptive.draft_sync_due(others_prefilling=True, measured_level=False)
     adaptive.output_ids = [7]  # its next round: the catch-up is due whoever prefills
     assert adaptive.draft_sync_due(others_prefilling=True)
 

@@ -389,10 +389,11 @@ class Router(GrpcApi):
                 mode = ticket.mode if ticket is not None else "model"
                 warming_up = ticket is not None and self.modes.warming_up
                 catch_up = state.draft_unseen
+                measured_level = self.modes.measures(self.in_rounds)
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off",
-                                            measured_level=self.modes.measures(self.in_rounds))
+                                            measured_level=measured_level)
                 # the draft pool catches up meanwhile: this round runs target-only
-                if state.draft_sync_due(others_prefilling=self.prefills.active > 0):
+                if state.draft_sync_due(others_prefilling=self.prefills.active > 0, measured_level=measured_level):
                     self._sync_draft(state)
                 ahead = state.take_ahead()  # drafted during the last verify (speculation.draft_ahead)
                 draft_call = state.needs_proposer and state.speculation.draft_cost == "pool" and ahead is None
