@@ -115,7 +115,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "and chat: speculation always off, always on (draft chain k=4) and adaptive (the load-aware policy, "
                 "0..4 draft tokens per round); 2 passes A B C C B A at each level, wave by wave (a wave: as many prompts as "
                 "streams), rotated from wave to wave (about "
-                "110 minutes on a 2-core AMD EPYC)",
+                "45-60 minutes on a 2-core AMD EPYC)",
         "modes": ["service"], "workloads": ["code", "chat"], "prompts": 8, "max_tokens": 96, "service_requests": 8,
         "service_max_tokens": 64, "service_repeats": 2, "concurrency": [1, 2, 4, 8, 16],
         "manifest": "manifests/local.yaml",
