@@ -810,16 +810,6 @@ class MeasuredModes:
         8%, when new requests probed their first round)."""
         return in_flight >= self.min_in_flight
 
-    def measures_burst(self, in_rounds: int, batch_ema: float) -> bool:
-        """Whether a request entering now joins a level these epochs measure: its own count of
-        requests in rounds, or the target's recent batch (`LoadModel.batch_ema`) where that is
-        larger. A wave of requests enters one by one, so its first ones count 1, 2 in rounds
-        while the wave is 8: at code 8 streams (2-core EPYC) each wave's first two requests,
-        counted below a measured level, had the draft pool prefill their prompts beside the
-        target's prefill of the first (1.74 s against always off's 1.07 s for the same prompt),
-        and the pass fell a second behind at once (0.90x always off, off in every round)."""
-        return self.measures(max(in_rounds, round(batch_ema)))
-
     def estimates(self, in_flight: int) -> dict[str, float | None] | None:
         """The goodput measured so far for each mode at this many requests in flight, and the
         model's scaled to the acceptance now (see "Acceptance"); None where the epochs do not

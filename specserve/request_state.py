@@ -186,7 +186,7 @@ class RequestState:
         `others_prefilling`: other requests' prompts prefill now; then an adaptive request in
         its first round (nothing emitted yet) leaves its prompt's catch-up to its next round,
         where the requests in flight are a level the router's epochs measure (`measured_level`,
-        MeasuredModes.measures_burst): below it the model speculates anyway, and the catch-up left
+        MeasuredModes.measures): below it the model speculates anyway, and the catch-up left
         to the next round only puts the request out of step with the others.
 
         Why: a round that waits for its catch-up holds the target's work for it; after

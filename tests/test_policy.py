@@ -691,16 +691,6 @@ def test_an_adaptive_request_in_a_burst_leaves_its_prompt_s_catch_up_to_its_next
     assert adaptive.draft_sync_due(others_prefilling=True)
 
 
-def test_a_wave_s_first_requests_count_at_the_wave_s_level():
-    """A wave enters one by one: its first requests count 1, 2 in rounds, but the target's
-    recent batch says the level they join; 2 streams stay below the measured levels."""
-    modes = MeasuredModes()
-    assert modes.measures_burst(in_rounds=1, batch_ema=7.2)  # 8 streams, a wave's first request
-    assert not modes.measures_burst(in_rounds=1, batch_ema=1.5)  # 2 streams
-    assert modes.measures_burst(in_rounds=4, batch_ema=1.0)  # a cold burst, once 3+ are in rounds
-    assert not modes.measures_burst(in_rounds=2, batch_ema=2.4)
-
-
 def test_a_catch_up_left_to_a_later_round_is_owed_until_it_starts():
     """The router's warm-up of the model waits for owed catch-ups as for running ones: a
     request of a burst owes its prompt's until its second round starts it, and one that ran

@@ -393,8 +393,7 @@ class Router(GrpcApi):
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off",
                                             measured_level=measured_level)
                 # the draft pool catches up meanwhile: this round runs target-only
-                if state.draft_sync_due(others_prefilling=self.prefills.active > 0,
-                                        measured_level=self.modes.measures_burst(self.in_rounds, self.load.batch_ema)):
+                if state.draft_sync_due(others_prefilling=self.prefills.active > 0, measured_level=measured_level):
                     self._sync_draft(state)
                 ahead = state.take_ahead()  # drafted during the last verify (speculation.draft_ahead)
                 draft_call = state.needs_proposer and state.speculation.draft_cost == "pool" and ahead is None
