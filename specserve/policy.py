@@ -273,6 +273,37 @@ class PrefillWatch:
         return kind is None and not busy and self.events == events
 
 
+@dataclass
+class RecentPeak:
+    """The most requests in rounds the router saw at a round's start over the last `window_s`
+    seconds: the load a wave's first requests enter into, where their own count (1, 2, ...)
+    says less. A minute: long enough to span the gap between waves, and the wave's tail
+    before it (its last requests drain it to 1 in rounds); after load fell for good a request
+    only starts its prompt's catch-up a round later for that long. Why: at code
+    8 streams on a 2-core CPU a wave's first two adaptive requests, at 1 and 2 in rounds (below
+    the levels MeasuredModes measures) and the first with no other prompt prefilling, started
+    their prompts' draft catch-ups beside the target's first prefill in an epoch that then ran
+    off; the wave's first prompt took 1.74 s to prefill against always off's 1.07 s, and every
+    later first token came ~1 s behind (docs/bench/adaptive-history.md, item 33).
+
+    >>> peak = RecentPeak(window_s=30)
+    >>> for level in (1, 2, 8): peak.observe(0.0, level)
+    >>> peak.observe(10.0, 1); peak.value(20.0), peak.value(35.0), peak.value(45.0)
+    (8, 1, 0)
+    """
+
+    window_s: float = 60.0
+    _last_seen: dict[int, float] = field(default_factory=dict)  # level -> when last seen
+
+    def observe(self, now: float, level: int) -> None:
+        self._last_seen[level] = now
+        for stale in [lv for lv, seen in self._last_seen.items() if now - seen > self.window_s]:
+            del self._last_seen[stale]
+
+    def value(self, now: float) -> int:
+        return max((lv for lv, seen in self._last_seen.items() if now - seen <= self.window_s), default=0)
+
+
 def draft_catches_up(unseen: int, depth: int) -> bool:
     """Whether a propose call carrying `unseen` tokens its draft pool has not seen is a catch-up
     (a prefill: the request ran without the draft for a while), not a round's usual sync (the

@@ -176,7 +176,8 @@ class RequestState:
         """Tokens the draft pool has not seen: what it must prefill before drafting again."""
         return len(self.token_ids) - self.draft_synced
 
-    def draft_sync_due(self, others_prefilling: bool = False, measured_level: bool = True) -> bool:
+    def draft_sync_due(self, others_prefilling: bool = False, measured_level: bool = True,
+                       peak_measured: bool = False) -> bool:
         """Serving: whether the draft pool should catch up on this request in the background
         now, its rounds running target-only meanwhile, instead of a round waiting for the
         catch-up (its prompt, or what it emitted while speculation was off). Due when the
@@ -187,7 +188,10 @@ class RequestState:
         its first round (nothing emitted yet) leaves its prompt's catch-up to its next round,
         where the requests in flight are a level the router's epochs measure (`measured_level`,
         MeasuredModes.measures): below it the model speculates anyway, and the catch-up left
-        to the next round only puts the request out of step with the others.
+        to the next round only puts the request out of step with the others. `peak_measured`:
+        the router's recent peak of requests in rounds (RecentPeak) is such a level; then a
+        wave's first requests, entering below it, leave theirs to their next round too, whether
+        or not other prompts prefill: their next round decides at the wave's load.
 
         Why: a round that waits for its catch-up holds the target's work for it; after
         speculation came back on at 16 streams, 16 catch-ups of ~140 tokens each kept every
@@ -203,7 +207,8 @@ class RequestState:
         and its rounds 7% slower (adaptive 0.94x always on, speculating in 87% of rounds)."""
         if not self.prefill_without_draft or self.pinned_depth or self._depth() == 0:
             return False
-        if others_prefilling and measured_level and self.adaptive and not self.output_ids:
+        in_a_wave = (others_prefilling and measured_level) or (peak_measured and not measured_level)
+        if in_a_wave and self.adaptive and not self.output_ids:
             return False
         return self.draft_catch_up_owed()
 

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from specserve.policy import (AcceptanceTracker, LoadModel, MeasuredModes, PolicyConfig, PrefillWatch,
+from specserve.policy import (AcceptanceTracker, LoadModel, MeasuredModes, PolicyConfig, PrefillWatch, RecentPeak,
                               SpeculationPolicy, StepTimeModel, _ModeGoodput, switch_catch_up_tokens)
 from specserve.protocol import SamplingParams, Speculation, TokenTree, VerifyResult
 from specserve.request_state import RequestState
@@ -689,6 +689,32 @@ def test_an_adaptive_request_in_a_burst_leaves_its_prompt_s_catch_up_to_its_next
     assert adaptive.draft_sync_due(others_prefilling=True, measured_level=False)
     adaptive.output_ids = [7]  # its next round: the catch-up is due whoever prefills
     assert adaptive.draft_sync_due(others_prefilling=True)
+
+
+def test_a_wave_s_first_requests_leave_their_prompts_catch_up_where_the_recent_peak_is_measured():
+    """A wave's first requests enter at 1, 2, ... in rounds, below the levels the epochs
+    measure, the first with no other prompt prefilling: where the router's recent peak is a
+    measured level, their first rounds leave the prompt's catch-up to their next round anyway.
+    At a steady measured level a lone prefill still starts its own, and where the peak is not
+    measured (2 streams) nothing changes."""
+    modes, peak = MeasuredModes(), RecentPeak(window_s=30)
+    prompt = list(range(1, 41))
+
+    def due(in_rounds, others_prefilling, now, policy="adaptive"):
+        state = RequestState("r", prompt, SamplingParams(max_tokens=100),
+                             Speculation(proposer="draft", k=4, policy=policy), prefill_without_draft=True)
+        peak.observe(now, in_rounds)
+        return state.draft_sync_due(others_prefilling=others_prefilling, measured_level=modes.measures(in_rounds),
+                                    peak_measured=modes.measures(peak.value(now)))
+
+    assert due(1, False, now=0.0) and due(2, True, now=1.0)  # 2 streams: no wave held back
+    for level in range(1, 9):  # a wave of 8 ended
+        peak.observe(2.0, level)
+    assert not due(1, False, now=10.0) and not due(2, True, now=10.5)  # the next wave's first two
+    assert due(1, False, now=10.0, policy="fixed")
+    assert due(8, False, now=11.0)  # steady at 8, no other prompt prefilling: its own starts now
+    assert not due(8, True, now=11.0)
+    assert due(1, False, now=45.0)  # the peak went stale: a lone request after a quiet spell
 
 
 def test_a_catch_up_left_to_a_later_round_is_owed_until_it_starts():

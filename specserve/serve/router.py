@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.engine import adapt_speculation, sampling_refusal
 from specserve.pipeline import StreamedDraft
-from specserve.policy import LoadModel, MeasuredModes, PrefillWatch, SpeculationPolicy, draft_catches_up
+from specserve.policy import LoadModel, MeasuredModes, PrefillWatch, RecentPeak, SpeculationPolicy, draft_catches_up
 from specserve.protocol import (
     DETERMINISTIC, DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, TokenTree,
     VerifyRequest, VerifyResult,
@@ -191,6 +191,7 @@ class Router(GrpcApi):
         self.load = LoadModel()
         self.modes = MeasuredModes()  # the model, checked against measured goodput at each load
         self.in_rounds = 0  # requests running rounds here
+        self.peak_in_rounds = RecentPeak()  # the load a wave's first requests enter into
         self.steered: dict[str, RequestState] = {}  # those the policy steers: a switch to the model catches them up
         self.prefills = PrefillWatch()  # rounds that waited for a prefill (prompt, draft catch-up): not overhead
         # Prompt lookup runs here, on the token ids the router holds: proposer `ngram`, and the
@@ -380,6 +381,7 @@ class Router(GrpcApi):
                 started = time.perf_counter()
                 round_start = time.monotonic()
                 self.load.in_flight = self.in_rounds
+                self.peak_in_rounds.observe(round_start, self.in_rounds)
                 # only requests the policy steers take part in (and are measured by) its epochs
                 ticket = (self.modes.begin(round_start, self.in_rounds, prefilling=self.prefills.active > 0 or prefill,
                                            catching_up=self._catching_up(), first_round=prefill,
@@ -393,7 +395,9 @@ class Router(GrpcApi):
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off",
                                             measured_level=measured_level)
                 # the draft pool catches up meanwhile: this round runs target-only
-                if state.draft_sync_due(others_prefilling=self.prefills.active > 0, measured_level=measured_level):
+                peak_measured = self.modes.measures(self.peak_in_rounds.value(round_start))
+                if state.draft_sync_due(others_prefilling=self.prefills.active > 0, measured_level=measured_level,
+                                        peak_measured=peak_measured):
                     self._sync_draft(state)
                 ahead = state.take_ahead()  # drafted during the last verify (speculation.draft_ahead)
                 draft_call = state.needs_proposer and state.speculation.draft_cost == "pool" and ahead is None
