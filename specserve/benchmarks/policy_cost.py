@@ -20,7 +20,7 @@ import random
 import sys
 import time
 
-from specserve.policy import LoadModel, MeasuredModes, SpeculationPolicy, _ModeGoodput
+from specserve.policy import LoadModel, MeasuredModes, RecentPeak, SpeculationPolicy, _ModeGoodput
 from specserve.protocol import SamplingParams, Speculation, TreeSpec
 from specserve.request_state import RequestState, catch_up_owed, switch_cost_s
 
@@ -39,7 +39,7 @@ def policy_seconds_per_round(spec: Speculation, streams: int, rounds: int, rng: 
     and the share of those rounds that speculated. `epochs_off`: the level's epochs have
     measured off ahead of the model, so they run off (where the epochs measure: 3 or more in
     flight); else the model decides."""
-    policy, load, modes = SpeculationPolicy(), LoadModel(), MeasuredModes()
+    policy, load, modes, peak = SpeculationPolicy(), LoadModel(), MeasuredModes(), RecentPeak()
     if epochs_off and modes.measures(streams):
         modes.levels[MeasuredModes.level(streams)] = _ModeGoodput(
             model=10.0, off=20.0, epochs=2, measurements={"model": 1, "off": 1}, next_explore=10 ** 9, warmed=True)
@@ -57,10 +57,14 @@ def policy_seconds_per_round(spec: Speculation, streams: int, rounds: int, rng: 
         step_s = 0.1 + 0.003 * streams * (1 + rng.random() * 0.1)
         started = time.perf_counter()
         # the router's calls, in its order (serve/router.py `_rounds`)
+        peak.observe(now, streams)
         ticket = modes.begin(now, streams, prefilling=False, catching_up=catch_up_owed(states), first_round=False,
                              switch_cost_s=switch_cost_s(load, states), off_predicted=load.off_goodput(),
                              model_yield=state.model_yield)
-        state.plan_round(policy, load, measured_off=ticket.mode == "off", measured_level=modes.measures(streams))
+        measured_level = modes.measures(streams)
+        state.plan_round(policy, load, measured_off=ticket.mode == "off", measured_level=measured_level)
+        state.draft_sync_due(others_prefilling=False, measured_level=measured_level,  # only its cost counts here
+                             peak_measured=modes.measures(peak.value(now)))
         k = state.round_k()
         speculated += k > 0
         accepted = min(k, int(rng.expovariate(0.4)))
