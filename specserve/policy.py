@@ -724,6 +724,18 @@ class MeasuredModes:
     the model at 0.77x off) cost an 80-s turn ~8%, and the warm-up alone had let the next
     come two minutes of the level's time later.
 
+    Paying back. The requests that catch up are the ones whose rounds must earn the catch-ups
+    back, so every switch to the model (a decision, an exploration, a first look) waits, off,
+    until it would save more than `switch_cost_s` before they end: the share of their time
+    left it saves (by the level's estimates for a decision; for an exploration or a first
+    look the least the margin lets run, margin / (1 + margin)), times that time left off
+    (`room_tokens` at off's goodput per request). A wave's new requests owe nothing, so a
+    decision for the model that waits is taken at the next wave. At chat 8 streams on an AVX2
+    EPYC, each of adaptive's two passes switched to the model with ~20 s of its 64-token
+    requests left (off's estimate had sunk as the wave thinned, to 12.97 tok/s against code's
+    model estimate of 15.9): a predicted 12.7 s of catch-ups for at most ~3 s saved, and the
+    pass ran 0.82x always off. Without a bound on the room (no max_tokens) every switch pays.
+
     Acceptance. What comes back to a level need not be what left it: on the bench, chat at 8
     streams after code at 8 inherited code's model estimate of 13.2 tok/s, off went unmeasured
     for two minutes (predicted to lose by more than `off_margin`), and chat's own epochs of the
@@ -820,6 +832,8 @@ class MeasuredModes:
     _exploring: bool = False  # the running epoch runs the mode its level measured worse
     _switch_cost_s: float = 0.0  # what a switch to the model would cost now (begin's argument)
     _off_predicted: float | None = None  # the goodput off would have now, predicted (begin's argument)
+    _room_tokens: float | None = None  # the tokens the steered requests may still emit, on average (begin's argument)
+    _in_flight_now: int = 0  # requests in flight at the last round start
     _retries: int = 0  # epochs the running exploration went on after ones that measured nothing
     _settling: bool = False  # the running epoch changed the mode: its window waits for the other mode's rounds
     _running: dict[str, int] = field(default_factory=dict)  # rounds running per mode (every ticket's, until its end)
@@ -850,11 +864,11 @@ class MeasuredModes:
         measured = self.levels.get(self.level(in_flight), _ModeGoodput())
         return {"model": measured.model, "off": measured.off, "off_predicted": self._off_predicted,
                 "switch_cost_s": round(self._switch_cost_s, 3), "model_scaled": self.model_estimate(measured),
-                "model_yield": measured.model_yield, "yield_now": self.yield_now}
+                "model_yield": measured.model_yield, "yield_now": self.yield_now, "room_tokens": self._room_tokens}
 
     def begin(self, now: float, in_flight: int, *, prefilling: bool = False, catching_up: bool = False,
               first_round: bool = False, switch_cost_s: float = 0.0, off_predicted: float | None = None,
-              model_yield: float | None = None) -> RoundTicket:
+              model_yield: float | None = None, room_tokens: float | None = None) -> RoundTicket:
         """A round of a steered request begins now: its mode, "model" (the per-request policy
         decides) or "off". `prefilling`: a prompt prefill runs now (PrefillWatch.active, this
         round's own included); `catching_up`: a draft pool's catch-up runs now
@@ -864,9 +878,12 @@ class MeasuredModes:
         predicted; 0 without a draft pool); `off_predicted`: the goodput off would have now
         (LoadModel.off_goodput; None: not known, so off is measured); `model_yield`: the tokens
         this request's round would emit on average if it speculated as the model does (its
-        acceptance; None: not known), see "Acceptance". Hand the ticket to `end` when the round
-        ends, however it ends."""
+        acceptance; None: not known), see "Acceptance"; `room_tokens`: the tokens the steered
+        requests may still emit, on average (their max_tokens left; None: unbounded), the time a
+        switch to the model has to earn its catch-ups back in (see "Paying back"). Hand the ticket
+        to `end` when the round ends, however it ends."""
         self._switch_cost_s, self._off_predicted = switch_cost_s, off_predicted
+        self._room_tokens, self._in_flight_now = room_tokens, in_flight
         if model_yield is not None:
             self.yield_now = (model_yield if self.yield_now is None
                               else self.yield_now + self.yield_weight * (model_yield - self.yield_now))
@@ -1074,8 +1091,9 @@ class MeasuredModes:
         on requests that ran off exactly while the target prefills; the better mode so far
         runs."""
         measured = self._measured(level)
-        if measured.model is None:  # its first measurement, once the switch fits the budget
-            return ("model" if self._switch_fits(measured) else "off"), False
+        bet = self.model_margin / (1 + self.model_margin)  # the least share of time the model must save to run
+        if measured.model is None:  # its first measurement, once the switch fits the budget and pays back
+            return ("model" if self._switch_fits(measured) and self._pays_back(measured, bet) else "off"), False
         off_loses = self._off_clearly_loses(measured)
         if measured.off is None and not off_loses:  # a switch to off costs nothing: at once
             return "off", False
@@ -1086,9 +1104,26 @@ class MeasuredModes:
         # have far more to catch up now than at the last switch
         if (not prefilling and measured.epochs >= measured.next_explore
                 and measured.clock >= measured.explore_after
-                and (self._switch_fits(measured) if other == "model" else not off_loses)):
+                and (self._switch_fits(measured) and self._pays_back(measured, bet) if other == "model"
+                     else not off_loses)):
             return other, True
+        if best == "model" and not self._pays_back(measured):
+            return "off", False  # the estimates favour the model, but not by enough to pay for the switch
         return best, False
+
+    def _pays_back(self, measured: _ModeGoodput, saving: float | None = None) -> bool:
+        """Whether switching the steered requests to the model now saves more than it costs
+        (`switch_cost_s`, their catch-ups) before they end, if it saves `saving` of the time
+        off would take (None: what the level's estimates say it saves) (see "Paying back").
+        Their time left off is their tokens left (`room_tokens`) at off's goodput per request.
+        True where nothing is owed, the room is not known, or off is not measured."""
+        if self._switch_cost_s <= 0 or self._room_tokens is None or not measured.off:
+            return True
+        if saving is None:
+            model = self.model_estimate(measured)
+            saving = 1 - measured.off / model if model else 0.0
+        left_off_s = self._room_tokens * self._in_flight_now / measured.off
+        return self._switch_cost_s <= saving * left_off_s
 
     def _off_clearly_loses(self, measured: _ModeGoodput) -> bool:
         """Whether the model measured above off's predicted goodput by more than `off_margin`:

@@ -478,3 +478,10 @@ def switch_cost_s(load: LoadModel, states: Iterable[RequestState]) -> float:
     return load.catch_up_s(switch_catch_up_tokens(
         (state.draft_unseen, state.speculation.depth) for state in states
         if state.speculation.draft_cost == "pool" and state.stats.target_steps > 0))
+
+
+def room_tokens(states: Iterable[RequestState]) -> float | None:
+    """The tokens these requests may still emit, on average (RequestState.room; None for none):
+    how long a switch to the model has to earn its catch-ups back (MeasuredModes, "Paying back")."""
+    rooms = [state.room() for state in states]
+    return sum(rooms) / len(rooms) if rooms else None

@@ -15,7 +15,7 @@ import pytest
 from specserve.policy import (AcceptanceTracker, LoadModel, MeasuredModes, PolicyConfig, PrefillWatch, RecentPeak,
                               SpeculationPolicy, StepTimeModel, _ModeGoodput, switch_catch_up_tokens)
 from specserve.protocol import SamplingParams, Speculation, TokenTree, VerifyResult
-from specserve.request_state import RequestState
+from specserve.request_state import RequestState, room_tokens
 
 TARGET = (0.075, 0.0034)  # fixed s, s per token
 DRAFT = (0.024, 0.0007)
@@ -1498,6 +1498,41 @@ def test_an_exploration_of_the_model_also_waits_for_its_predicted_switch_to_fit_
     modes.current = "model"
     ticket = modes.begin(1.0, 8, switch_cost_s=1000.0)
     assert ticket.mode == "off" and modes._exploring
+
+
+def test_a_switch_to_the_model_waits_until_it_pays_back_before_the_requests_end():
+    """Chat at 8 streams (AVX2 EPYC): near each wave's end off's estimate sank under code's
+    model estimate by the margin, and the level switched to the model with ~30 tokens a request
+    left: 12.7 s of catch-ups predicted for ~3 s saved. A switch to the model (a decision, an
+    exploration, a first look) runs only where it saves more than it costs before the steered
+    requests end; a new wave owes nothing, and an unbounded room always pays."""
+    level = MeasuredModes.level(8)
+
+    def mode(model: float | None, off: float | None, cost: float, room: float | None, due: bool = False) -> str:
+        modes = MeasuredModes(epoch_s=4.0)
+        measured = modes._measured(level)
+        measured.model, measured.off, measured.clock = model, off, 1000.0  # the budget is no bar
+        if due:
+            measured.epochs, measured.next_explore = 6, 6
+        modes.current = "off"
+        return modes.begin(1.0, 8, switch_cost_s=cost, room_tokens=room).mode
+
+    # the decision: the model leads by 23% (just past the margin), so it saves 18% of the time left
+    assert mode(15.9, 12.97, cost=12.7, room=30) == "off"  # 18.5 s left off: saves 3.4 s
+    assert mode(15.9, 12.97, cost=12.7, room=100) == "off"  # 62 s left off: saves 11.3 s, still short
+    assert mode(15.9, 12.97, cost=12.7, room=300) == "model"  # 185 s left off: saves 34 s
+    assert mode(15.9, 12.97, cost=0.0, room=30) == "model"  # a new wave: nothing to catch up
+    assert mode(15.9, 12.97, cost=12.7, room=None) == "model"  # no bound on the room
+    # an exploration bets on the least lead the margin lets run: 1/6 of the time left
+    assert mode(10.0, 12.0, cost=5.0, room=30, due=True) == "off"  # 20 s left off: 3.3 s
+    assert mode(10.0, 12.0, cost=5.0, room=300, due=True) == "model"
+    # a level's first look, off measured (a level reached in mid-wave)
+    assert mode(None, 12.0, cost=5.0, room=30) == "off"
+    assert mode(None, 12.0, cost=5.0, room=300) == "model"
+    # the router's argument: the steered requests' tokens left, on average
+    first, second = _state(Speculation(k=4)), _state(Speculation(k=4))  # max_tokens 100 each
+    second.output_ids.extend([7] * 40)
+    assert room_tokens([first, second]) == 80.0 and room_tokens([]) is None
 
 
 def test_an_exploration_that_measured_nothing_goes_on_then_backs_off():

@@ -5,7 +5,7 @@
 
 Per round of one request the router runs, for the policy alone: `MeasuredModes.begin` (with
 the switch cost and the catch-ups owed over every steered request, by the functions the router
-calls, `switch_cost_s` and `catch_up_owed`, and off's predicted goodput), `RequestState.plan_round` (the per-request model: `SpeculationPolicy.choose`
+calls, `switch_cost_s`, `room_tokens` and `catch_up_owed`, and off's predicted goodput), `RequestState.plan_round` (the per-request model: `SpeculationPolicy.choose`
 where the epochs do not decide), the load model's updates from the pools' replies, the
 request's acceptance update, and `MeasuredModes.end`. This times exactly those calls on the
 real objects, with N requests in flight, and the target's step as specserve's own torch engine
@@ -22,7 +22,7 @@ import time
 
 from specserve.policy import LoadModel, MeasuredModes, RecentPeak, SpeculationPolicy, _ModeGoodput
 from specserve.protocol import SamplingParams, Speculation, TreeSpec
-from specserve.request_state import RequestState, catch_up_owed, switch_cost_s
+from specserve.request_state import RequestState, catch_up_owed, room_tokens, switch_cost_s
 
 STREAMS = (1, 4, 8, 16, 64)
 METHODS = {
@@ -60,7 +60,7 @@ def policy_seconds_per_round(spec: Speculation, streams: int, rounds: int, rng: 
         peak.observe(now, streams)
         ticket = modes.begin(now, streams, prefilling=False, catching_up=catch_up_owed(states), first_round=False,
                              switch_cost_s=switch_cost_s(load, states), off_predicted=load.off_goodput(),
-                             model_yield=state.model_yield)
+                             model_yield=state.model_yield, room_tokens=room_tokens(states))
         measured_level = modes.measures(streams)
         state.plan_round(policy, load, measured_off=ticket.mode == "off", measured_level=measured_level)
         state.draft_sync_due(others_prefilling=False, measured_level=measured_level,  # only its cost counts here

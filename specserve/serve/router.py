@@ -44,7 +44,7 @@ from specserve.protocol import (
     VerifyRequest, VerifyResult,
 )
 from specserve.proposers.ngram import NgramProposer
-from specserve.request_state import RequestState, catch_up_owed, switch_cost_s
+from specserve.request_state import RequestState, catch_up_owed, room_tokens, switch_cost_s
 from specserve.serve.access import ApiKeys
 from specserve.serve.config import AppArgs
 from specserve.serve.generation import (
@@ -386,7 +386,8 @@ class Router(GrpcApi):
                 ticket = (self.modes.begin(round_start, self.in_rounds, prefilling=self.prefills.active > 0 or prefill,
                                            catching_up=self._catching_up(), first_round=prefill,
                                            switch_cost_s=switch_cost_s(self.load, self.steered.values()),
-                                           off_predicted=self.load.off_goodput(), model_yield=state.model_yield)
+                                           off_predicted=self.load.off_goodput(), model_yield=state.model_yield,
+                                           room_tokens=room_tokens(self.steered.values()))
                           if state.adaptive else None)
                 mode = ticket.mode if ticket is not None else "model"
                 warming_up = ticket is not None and self.modes.warming_up
