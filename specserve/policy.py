@@ -833,7 +833,6 @@ class MeasuredModes:
     _switch_cost_s: float = 0.0  # what a switch to the model would cost now (begin's argument)
     _off_predicted: float | None = None  # the goodput off would have now, predicted (begin's argument)
     _room_tokens: float | None = None  # the tokens the steered requests may still emit, on average (begin's argument)
-    _in_flight_now: int = 0  # requests in flight at the last round start
     _retries: int = 0  # epochs the running exploration went on after ones that measured nothing
     _settling: bool = False  # the running epoch changed the mode: its window waits for the other mode's rounds
     _running: dict[str, int] = field(default_factory=dict)  # rounds running per mode (every ticket's, until its end)
@@ -883,7 +882,7 @@ class MeasuredModes:
         switch to the model has to earn its catch-ups back in (see "Paying back"). Hand the ticket
         to `end` when the round ends, however it ends."""
         self._switch_cost_s, self._off_predicted = switch_cost_s, off_predicted
-        self._room_tokens, self._in_flight_now = room_tokens, in_flight
+        self._room_tokens = room_tokens
         if model_yield is not None:
             self.yield_now = (model_yield if self.yield_now is None
                               else self.yield_now + self.yield_weight * (model_yield - self.yield_now))
@@ -929,7 +928,7 @@ class MeasuredModes:
             measured.clock += now - measured.seen
         measured.seen = now
         if self._started is None or level != self._level:  # the load moved: the epoch measures nothing
-            self._start(now, level, in_flight, *self._next(level, prefilling), busy=prefilling or catching_up)
+            self._start(now, level, in_flight, *self._next(level, in_flight, prefilling), busy=prefilling or catching_up)
             return
         elapsed = now - self._started
         if self.warming_up:
@@ -956,7 +955,7 @@ class MeasuredModes:
             return
         if not measured and self._exploring:  # given up: wait as after one that left the decision as it was
             self._back_off(self._measured(level), overturned=False)
-        self._start(now, level, in_flight, *self._next(level, prefilling), busy=prefilling or catching_up)
+        self._start(now, level, in_flight, *self._next(level, in_flight, prefilling), busy=prefilling or catching_up)
 
     def _warmed_up(self, level: int, warm_up_s: float) -> None:
         """The model warmed up for `warm_up_s`. If it was a switch from off, the level's
@@ -1082,18 +1081,19 @@ class MeasuredModes:
         leads = model is not None and model > measured.off * (1 + self.model_margin)
         return "model" if leads else "off"
 
-    def _next(self, level: int, prefilling: bool) -> tuple[str, bool]:
+    def _next(self, level: int, in_flight: int, prefilling: bool) -> tuple[str, bool]:
         """The mode of the next epoch at `level`, and whether it explores (due by the epochs
         since the last, and by `explore_budget`). The level's first measurement of the model
         keeps to the budget by what the switch would cost now (`switch_cost_s`), so a wave of
-        new requests measures it at once (see the class docstring). While prompts prefill, an
+        new requests measures it at once (see the class docstring). Every switch to the model
+        also waits until it pays back (`_pays_back`, "Paying back"). While prompts prefill, an
         exploration does not begin: an epoch of the model would make the draft pools catch up
         on requests that ran off exactly while the target prefills; the better mode so far
         runs."""
         measured = self._measured(level)
         bet = self.model_margin / (1 + self.model_margin)  # the least share of time the model must save to run
         if measured.model is None:  # its first measurement, once the switch fits the budget and pays back
-            return ("model" if self._switch_fits(measured) and self._pays_back(measured, bet) else "off"), False
+            return ("model" if self._switch_fits(measured) and self._pays_back(measured, in_flight, bet) else "off"), False
         off_loses = self._off_clearly_loses(measured)
         if measured.off is None and not off_loses:  # a switch to off costs nothing: at once
             return "off", False
@@ -1104,25 +1104,26 @@ class MeasuredModes:
         # have far more to catch up now than at the last switch
         if (not prefilling and measured.epochs >= measured.next_explore
                 and measured.clock >= measured.explore_after
-                and (self._switch_fits(measured) and self._pays_back(measured, bet) if other == "model"
+                and (self._switch_fits(measured) and self._pays_back(measured, in_flight, bet) if other == "model"
                      else not off_loses)):
             return other, True
-        if best == "model" and not self._pays_back(measured):
+        if best == "model" and not self._pays_back(measured, in_flight):
             return "off", False  # the estimates favour the model, but not by enough to pay for the switch
         return best, False
 
-    def _pays_back(self, measured: _ModeGoodput, saving: float | None = None) -> bool:
+    def _pays_back(self, measured: _ModeGoodput, in_flight: int, saving: float | None = None) -> bool:
         """Whether switching the steered requests to the model now saves more than it costs
-        (`switch_cost_s`, their catch-ups) before they end, if it saves `saving` of the time
-        off would take (None: what the level's estimates say it saves) (see "Paying back").
-        Their time left off is their tokens left (`room_tokens`) at off's goodput per request.
-        True where nothing is owed, the room is not known, or off is not measured."""
+        (`switch_cost_s`, their catch-ups) before they end, if it saves `saving` of the time off
+        would take (None: what the level's estimates say it saves) (see "Paying back"). Their
+        time left off is their tokens left (`room_tokens`) at off's goodput per request, with
+        `in_flight` requests in rounds. True where nothing is owed, the room is not known, or
+        off is not measured."""
         if self._switch_cost_s <= 0 or self._room_tokens is None or not measured.off:
             return True
         if saving is None:
             model = self.model_estimate(measured)
             saving = 1 - measured.off / model if model else 0.0
-        left_off_s = self._room_tokens * self._in_flight_now / measured.off
+        left_off_s = self._room_tokens * in_flight / measured.off
         return self._switch_cost_s <= saving * left_off_s
 
     def _off_clearly_loses(self, measured: _ModeGoodput) -> bool:
