@@ -603,6 +603,27 @@ class SpeculationPolicy:
         return best
 
 
+@dataclass(frozen=True)
+class _EpochGoodput:
+    """A measured epoch, as the first half of a pair (MeasuredModes, "Pairing")."""
+
+    mode: str
+    goodput: float
+    in_flight: float  # requests in flight, the mean over its round starts
+    model_yield: float | None  # the yield its rounds were expected to emit (a model epoch's; None: not given)
+    closed_at: float  # when its last round ended (seen at a round start)
+
+
+def _averaged_yield(average: float | None, sample: float | None, weight: float, first: bool) -> float | None:
+    """A yield averaged as the goodput it goes with: the first sample as it is, then an EMA;
+    None once any sample lacked one (what was measured partly without yields stays unscaled)."""
+    if first:
+        return sample
+    if average is None or sample is None:
+        return None
+    return average + weight * (sample - average)
+
+
 @dataclass
 class _ModeGoodput:
     """Per mode, the EMA of the goodput measured in its epochs (None until measured), and when
@@ -625,6 +646,13 @@ class _ModeGoodput:
     seen: float | None = None  # when a round last began at the level
     warmed: bool = False  # a warm-up ran at the level (so its first look at the model is done)
     switched_at: float | None = None  # its clock when the level's last switch to the model warmed up
+    # the model's goodput over off's from pairs of adjacent epochs of the two modes (see
+    # "Pairing"), averaged as the modes' goodputs are, with the yield of their model epochs; and
+    # the level's last measured epoch, the first half of the next pair
+    lead: float | None = None
+    lead_yield: float | None = None
+    pairs: int = 0
+    last_epoch: _EpochGoodput | None = None
 
 
 @dataclass(frozen=True)
@@ -680,7 +708,8 @@ class MeasuredModes:
     the rounds it counted (the rest failed or overlapped arrivals), measures nothing; the next
     epoch measures that mode again unless the decision moved on.
 
-    Deciding. The model runs only where it measured more than `model_margin` (20%) above off;
+    Deciding. The model runs only where it measured more than `model_margin` (20%) above off
+    (by its lead: see "Pairing");
     closer than that goes to off. Its epochs see a level in the middle of its load and leave out
     costs that whole waves of requests pay (the draft pool's prefill of every new prompt on the
     cores the target uses, a request's first round, the spread ends of a wave, where requests
@@ -695,6 +724,22 @@ class MeasuredModes:
     once gave a tie to the model, 0.77x.) Below `min_in_flight`
     requests the model alone decides: a lone request has no other requests' costs it cannot
     see, and at 2 a prompt prefill in an epoch swings it more than the modes differ.
+
+    Pairing. The decision compares the modes as the bench compares systems: adjacent in time,
+    as a ratio. Each mode's estimate is of when its epochs ran, and the running mode's moves on
+    while the other's stays where it was measured: a CPU's pass time drifts (always off's 4-s
+    windows at code 8 streams on a 2-core AVX2 EPYC: 0.44-0.69 s a pass at 8 requests, standard
+    deviation 10%), and a wave's tail runs fewer requests (off's epochs there sank from 15.7 to
+    15.1 tok/s at 8 in flight, the passes 0.489 to 0.509 s, then to 14.2 and 14.6 at 7.4 and 6.2),
+    so off's estimate sank in the tail while the model's kept its mid-wave 18.24 tok/s, and
+    18.24 > 1.2 x 15.19 ran the model at the next wave where always off ran 1.05x always on. So
+    an epoch that measures a mode right after one of the other mode at about the same load (its
+    window opened within `pair_gap_s` of the other's close, their mean requests in flight within
+    `pair_in_flight_tolerance`) pairs with it, and the level's lead of the model over off is the
+    average of its pairs' ratios (`model_lead`; the first pairs evenly, then by `weight`), scaled
+    down by the acceptance as the model's estimate is (see "Acceptance"). Every switch makes a
+    pair: the first look and off's first epoch, and an exploration with the epochs before and
+    after it. Where none paired yet, the lead is the ratio of the modes' estimates.
 
     Exploring. Now and then an epoch runs the other mode so both estimates stay current: first
     after `explore_every` epochs at a level; one that leaves the decision as it was (ties
@@ -727,7 +772,7 @@ class MeasuredModes:
     Paying back. The requests that catch up are the ones whose rounds must earn the catch-ups
     back, so every switch to the model (a decision, an exploration, a first look) waits, off,
     until it would save more than `switch_cost_s` before they end: the share of their time
-    left it saves (by the level's estimates for a decision; for an exploration or a first
+    left it saves (by the level's lead for a decision; for an exploration or a first
     look the least the margin lets run, margin / (1 + margin)), times that time left off
     (`room_tokens` at off's goodput per request). A wave's new requests owe nothing, so a
     decision for the model that waits is taken at the next wave. At chat 8 streams on an AVX2
@@ -808,6 +853,11 @@ class MeasuredModes:
     # by model_margin: 1.2 x 1.3 = 1.56, so 60%. At 40%, chat 8's first look at the model (1.45x
     # the prediction) left off unmeasured for a whole pass: 0.90x always off.
     off_margin: float = 0.6
+    # two adjacent epochs of the two modes pair (see "Pairing") where the second's window opened
+    # within this of the first's close (a switch to the model warms up first: 5-12 s here, at
+    # most max_warm_up_epochs x epoch_s) and their mean requests in flight differ by at most this share
+    pair_gap_s: float = 45.0
+    pair_in_flight_tolerance: float = 0.15
     stale_s: float = 3600.0  # a level where no round began for this long starts afresh
     yield_weight: float = 0.1  # a steered round's weight in the yield expected now (~the last 10 rounds)
     levels: dict[int, _ModeGoodput] = field(default_factory=dict)
@@ -863,7 +913,8 @@ class MeasuredModes:
         measured = self.levels.get(self.level(in_flight), _ModeGoodput())
         return {"model": measured.model, "off": measured.off, "off_predicted": self._off_predicted,
                 "switch_cost_s": round(self._switch_cost_s, 3), "model_scaled": self.model_estimate(measured),
-                "model_yield": measured.model_yield, "yield_now": self.yield_now, "room_tokens": self._room_tokens}
+                "model_yield": measured.model_yield, "yield_now": self.yield_now, "room_tokens": self._room_tokens,
+                "lead": self.model_lead(measured), "pairs": measured.pairs}
 
     def begin(self, now: float, in_flight: int, *, prefilling: bool = False, catching_up: bool = False,
               first_round: bool = False, switch_cost_s: float = 0.0, off_predicted: float | None = None,
@@ -949,7 +1000,7 @@ class MeasuredModes:
             self._window = False  # the tail: rounds still begin in this mode, uncounted
         if (self._window or self._open) and elapsed < self.max_epoch_s:
             return
-        measured = not self._window and not self._open and self._close(elapsed)
+        measured = not self._window and not self._open and self._close(elapsed, now)
         if not measured and self._exploring and self._retries < self.explore_retries:  # the exploration goes on
             self._start(now, level, in_flight, self.current, True, self._retries + 1)
             return
@@ -1019,13 +1070,13 @@ class MeasuredModes:
         """Whether rounds of a mode other than the running one have not ended yet."""
         return any(n > 0 for mode, n in self._running.items() if mode != self.current)
 
-    def _close(self, window_s: float) -> bool:
+    def _close(self, window_s: float, now: float) -> bool:
         """Measure the epoch whose rounds all ended; returns whether it measured its mode: not
         if most of its rounds failed or overlapped arrivals (the rest are too few to tell the
         mode's goodput from one round's acceptance: at code 16 streams the model's first look,
         its window opened while the wave's last prompts prefilled, kept 1 round of 16, 2 tokens
         in 2.7 s, and measured 11.8 tok/s where always on's steady state ran ~20). `window_s`: the
-        seconds the epoch ran, its window and its tail."""
+        seconds the epoch ran, its window and its tail; `now`: when its last round ended was seen."""
         if not self._seconds or 2 * self._kept < self._starts:
             return False
         goodput = self._tokens / self._seconds * self._in_flight / self._starts
@@ -1035,15 +1086,11 @@ class MeasuredModes:
         measured.measurements[self.current] = count
         weight = max(self.weight, 1 / count)  # the first epochs evenly: one short draw must not set it
         setattr(measured, self.current, goodput if last is None else last + weight * (goodput - last))
-        if self.current == "model":
-            # the yield it was measured at, averaged alike; a level measured without yields has none
-            epoch_yield = self._yields / self._yielded if self._yielded else None
-            if last is None:
-                measured.model_yield = epoch_yield
-            elif measured.model_yield is not None and epoch_yield is not None:
-                measured.model_yield += weight * (epoch_yield - measured.model_yield)
-            else:  # measured partly without yields: left unscaled
-                measured.model_yield = None
+        epoch_yield = self._yields / self._yielded if self._yielded else None
+        if self.current == "model":  # the yield it was measured at, averaged alike
+            measured.model_yield = _averaged_yield(measured.model_yield, epoch_yield, weight, first=last is None)
+        self._pair(measured, _EpochGoodput(self.current, goodput, self._in_flight / self._starts,
+                                           epoch_yield if self.current == "model" else None, now))
         measured.epochs += 1
         if self._exploring and self.current == "model" and measured.off and goodput < measured.off:
             # what the exploration's window lost against off counts against the budget too
@@ -1052,6 +1099,23 @@ class MeasuredModes:
         if self._exploring:  # it overturned the decision where the mode it explored is now the better
             self._back_off(measured, overturned=self._best(measured) == self.current)
         return True
+
+    def _pair(self, measured: _ModeGoodput, epoch: _EpochGoodput) -> None:
+        """Pair the epoch that just measured with the level's last measured epoch where that ran
+        the other mode just before it (its window opened within `pair_gap_s` of the other's
+        close) at about the same load (mean requests in flight within `pair_in_flight_tolerance`),
+        into the level's lead of the model over off (see "Pairing"); it is the last one now."""
+        last, measured.last_epoch = measured.last_epoch, epoch
+        if (last is None or last.mode == epoch.mode or self._started - last.closed_at > self.pair_gap_s
+                or abs(epoch.in_flight - last.in_flight) > self.pair_in_flight_tolerance * max(epoch.in_flight, last.in_flight)):
+            return
+        model, off = (epoch, last) if epoch.mode == "model" else (last, epoch)
+        measured.pairs += 1
+        weight = max(self.weight, 1 / measured.pairs)  # the first pairs evenly, as a mode's first epochs
+        sample = model.goodput / off.goodput
+        first = measured.lead is None
+        measured.lead = sample if first else measured.lead + weight * (sample - measured.lead)
+        measured.lead_yield = _averaged_yield(measured.lead_yield, model.model_yield, weight, first)
 
     def _back_off(self, measured: _ModeGoodput, overturned: bool) -> None:
         """The wait before a level's next exploration: reset by one that overturned the
@@ -1068,18 +1132,33 @@ class MeasuredModes:
         """The model's goodput at the level, at the acceptance expected now: what its epochs
         measured, scaled down by the yield expected now over the yield it was measured at where
         that is below 1, never up (see "Acceptance"; unscaled where either is not known)."""
-        if measured.model is None or not measured.model_yield or self.yield_now is None:
-            return measured.model
-        return measured.model * min(1.0, self.yield_now / measured.model_yield)
+        if measured.model is None:
+            return None
+        return measured.model * self._yield_scale(measured.model_yield)
+
+    def model_lead(self, measured: _ModeGoodput) -> float | None:
+        """The model's goodput over off's at the level, at the acceptance expected now: by its
+        pairs of adjacent epochs where any paired (see "Pairing"), else by each mode's estimate;
+        scaled as `model_estimate`. None until both modes are measured."""
+        if measured.lead is not None:
+            return measured.lead * self._yield_scale(measured.lead_yield)
+        model = self.model_estimate(measured)
+        return model / measured.off if model is not None and measured.off else None
+
+    def _yield_scale(self, measured_yield: float | None) -> float:
+        """The yield expected now over `measured_yield`, where that is below 1 (see "Acceptance"); 1
+        where either is not known."""
+        if not measured_yield or self.yield_now is None:
+            return 1.0
+        return min(1.0, self.yield_now / measured_yield)
 
     def _best(self, measured: _ModeGoodput) -> str:
         """The better mode by the level's measurements: the model only where it measured more
         than `model_margin` above off (see "Deciding" in the class docstring)."""
         if measured.off is None:
             return "model"
-        model = self.model_estimate(measured)
-        leads = model is not None and model > measured.off * (1 + self.model_margin)
-        return "model" if leads else "off"
+        lead = self.model_lead(measured)
+        return "model" if lead is not None and lead > 1 + self.model_margin else "off"
 
     def _next(self, level: int, in_flight: int, prefilling: bool) -> tuple[str, bool]:
         """The mode of the next epoch at `level`, and whether it explores (due by the epochs
@@ -1121,8 +1200,8 @@ class MeasuredModes:
         if self._switch_cost_s <= 0 or self._room_tokens is None or not measured.off:
             return True
         if saving is None:
-            model = self.model_estimate(measured)
-            saving = 1 - measured.off / model if model else 0.0
+            lead = self.model_lead(measured)
+            saving = 1 - 1 / lead if lead else 0.0
         left_off_s = self._room_tokens * in_flight / measured.off
         return self._switch_cost_s <= saving * left_off_s
 

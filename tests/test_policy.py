@@ -13,7 +13,8 @@ import random
 import pytest
 
 from specserve.policy import (AcceptanceTracker, LoadModel, MeasuredModes, PolicyConfig, PrefillWatch, RecentPeak,
-                              SpeculationPolicy, StepTimeModel, _ModeGoodput, switch_catch_up_tokens)
+                              SpeculationPolicy, StepTimeModel, _EpochGoodput, _ModeGoodput,
+                              switch_catch_up_tokens)
 from specserve.protocol import SamplingParams, Speculation, TokenTree, VerifyResult
 from specserve.request_state import RequestState, room_tokens
 
@@ -521,7 +522,7 @@ def test_epochs_at_a_turnover_measure_the_modes_as_between_arrivals():
         for i, r in enumerate(rounds):
             slow = turnover and i == 0
             modes.end(r, 1 if slow else tokens, 6.0 if slow else 1.0, overlapped=slow)
-        assert modes._close(1.0)
+        assert modes._close(1.0, now=1.0)
     assert level.model == pytest.approx(3 * 4) and level.off == pytest.approx(4)
 
 
@@ -646,7 +647,7 @@ def test_a_mode_s_first_epochs_weigh_alike():
         modes._start(0.0, MeasuredModes.level(3), 3, "model", False)
         for r in [modes.begin(t, 3) for t in (0.0, 0.1, 0.2)]:
             modes.end(r, int(goodput), 3.0)  # goodput tokens in 3 s x 3 requests / 3 rounds
-        assert modes._close(1.0) and level.model == pytest.approx(expected)
+        assert modes._close(1.0, now=1.0) and level.model == pytest.approx(expected)
 
 
 def test_an_epoch_that_kept_under_half_its_rounds_measures_nothing_and_the_mode_is_measured_again():
@@ -1277,15 +1278,55 @@ def test_the_model_runs_only_where_it_measured_clearly_above_off():
         modes_run = [four_request_epoch(modes, 5.0 * i, tokens) for i, tokens in enumerate((20, off_tokens))]
         assert modes_run == ["model", "off"]
         assert four_request_epoch(modes, 10.0, off_tokens) == decision
-    # later, the model running (20 against 17): an epoch of it at 18 tok/s leaves its lead under 10%
+    # later, the model running (20 against 17, paired: its lead 1.18x): its own epochs alone do
+    # not move the lead, which is its pairs' (what slows the running mode slows the other too:
+    # see test_the_modes_are_compared_in_adjacent_epochs_as_a_ratio)
     assert four_request_epoch(modes, 15.0, 20) == "model"
     modes.levels[MeasuredModes.level(4)].model = 18.0
-    assert four_request_epoch(modes, 20.0, 18) == "off"
+    assert four_request_epoch(modes, 20.0, 18) == "model"
+    measured = modes.levels[MeasuredModes.level(4)]  # paired: the first look and off, off and the switch back
+    assert measured.pairs == 2 and modes.model_lead(measured) == measured.lead > 1.1
+    # where no pair was measured (the two modes' epochs far apart), the estimates' ratio decides
+    modes = MeasuredModes(epoch_s=4.0, model_margin=0.1, max_token_error=None)
+    modes.levels[MeasuredModes.level(4)] = _ModeGoodput(model=18.0, off=17.0, epochs=2, warmed=True, seen=0.0,
+                                                        measurements={"model": 1, "off": 1})
+    assert four_request_epoch(modes, 0.0, 18) == "off"  # 18 is under 10% ahead of 17
     # by default the model must lead by 20%: chat at 8 streams measured it 1.13-1.20x off where
     # always off ran 1.08x always on over the passes
     modes = MeasuredModes(epoch_s=4.0, max_token_error=None)
     assert [four_request_epoch(modes, 5.0 * i, tokens) for i, tokens in enumerate((23, 20, 20))] == \
         ["model", "off", "off"]
+
+
+def test_the_modes_are_compared_in_adjacent_epochs_as_a_ratio():
+    """Each mode's estimate is of when its epochs ran, and the running mode's moves on while the
+    other's stays: on this CPU the passes drift by 10% (standard deviation over 4-s windows),
+    and at code 8 streams off's estimate sank in a wave's tail to 15.19 tok/s while the model's
+    kept its mid-wave 18.24, and the next wave ran the model where always off ran 1.05x always
+    on. So the decision takes the model's lead over off from pairs of adjacent epochs of the two
+    modes. Here the model leads off by 11% (20 against 18 tok/s), then the machine slows both by
+    20%: off's estimate sinks to ~14.4 while the model's, measured fast, stays far above 1.2x
+    that, but the lead stays 1.11x and the level stays off but for its explorations."""
+    modes = MeasuredModes(epoch_s=2.0)
+    epochs = run_modes(modes, [(60, 8, 20, 18), (120, 8, 16, 14.4)], random.Random(0), noise=0.1)
+    slow = measured_epochs([e for e in epochs if e["t"] >= 60])
+    measured = modes.levels[MeasuredModes.level(8)]
+    assert measured.model > 1.2 * measured.off  # the estimates, measured apart, would run the model
+    assert measured.pairs >= 3 and modes.model_lead(measured) == pytest.approx(1.11, abs=0.06)
+    assert slow[:12].count("model") <= 1 and slow.count("off") >= 0.9 * len(slow)
+    # a pair is two adjacent epochs at about the same load: a tail's epoch at 6 requests in flight
+    # after one at 8 (both the level of 6-11) does not pair
+    level = MeasuredModes.level(8)
+    for in_flight, pairs in ((8, 1), (7, 1), (6, 0)):
+        modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
+        modes.levels[level] = _ModeGoodput(model=20.0, epochs=1, warmed=True, seen=0.0, measurements={"model": 1},
+                                           last_epoch=_EpochGoodput("model", 20.0, 8.0, None, closed_at=0.0))
+        rounds = [modes.begin(0.1 * i, in_flight) for i in range(in_flight)]  # off's first epoch, at once
+        for r in rounds:
+            modes.end(r, 1, in_flight / 16.0)
+        modes.begin(1.0, in_flight)  # its close
+        assert rounds[0].mode == "off" and modes.levels[level].pairs == pairs, in_flight
+    assert modes.levels[level].lead is None and modes.model_lead(modes.levels[level]) == pytest.approx(20 / 16)
 
 
 def test_a_switch_to_the_model_warms_up_until_the_draft_pools_caught_up_then_measures_it():
@@ -1383,7 +1424,7 @@ def test_explorations_keep_to_their_budget_of_the_time_by_what_the_last_switch_c
     for tokens in (12, 8):  # 12 tok/s: at par with off, then 8: a third short
         modes._starts, modes._kept, modes._tokens, modes._seconds, modes._in_flight = 1, 1, tokens, 1.0, 1
         measured.explore_after = 0.0
-        assert modes._close(6.0)
+        assert modes._close(6.0, now=6.0)
         assert measured.explore_after == pytest.approx(0.0 if tokens == 12 else 100.0 + 19 * 6.0 / 3)
 
 
