@@ -737,9 +737,11 @@ class MeasuredModes:
     window opened within `pair_gap_s` of the other's close, their mean requests in flight within
     `pair_in_flight_tolerance`) pairs with it, and the level's lead of the model over off is the
     average of its pairs' ratios (`model_lead`; the first pairs evenly, then by `weight`), scaled
-    down by the acceptance as the model's estimate is (see "Acceptance"). Every switch makes a
-    pair: the first look and off's first epoch, and an exploration with the epochs before and
-    after it. Where none paired yet, the lead is the ratio of the modes' estimates.
+    down by the acceptance as the model's estimate is (see "Acceptance"). A switch makes a pair
+    where the epochs on both sides of it measured: the first look and off's first epoch, an
+    exploration and the epochs before and after it; not where the next epoch measured nothing
+    for longer than `pair_gap_s` (at code 16 streams off's first four epochs, while a wave's
+    prompts prefilled). Where none paired yet, the lead is the ratio of the modes' estimates.
 
     Exploring. Now and then an epoch runs the other mode so both estimates stay current: first
     after `explore_every` epochs at a level; one that leaves the decision as it was (ties
