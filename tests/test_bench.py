@@ -622,6 +622,61 @@ def test_load_aware_table_compares_adaptive_with_the_better_fixed_setting():
     assert one.endswith("| 75% | - |") and eight.endswith("| 1% | 0.90x |")
 
 
+def test_the_runs_noise_comes_from_the_fixed_settings_ratio_pass_by_pass():
+    import math
+    import random
+
+    from specserve.benchmarks.noise import chance_at_goal, pass_noise
+
+    # log(on / off) per pass: 0.1, 0.1 + 2s at one level and -0.2, -0.2 - 2s at another: the
+    # within-level variance of that log ratio is 2 s^2 per level, twice one setting's variance
+    s = 0.03
+    levels = [([math.exp(0.1), math.exp(0.1 + 2 * s)], [1.0, 1.0]),
+              ([2.0, 2.0 * math.exp(-2 * s)], [2.0 * math.exp(0.2), 2.0 * math.exp(0.2)]),
+              ([5.0], [4.0])]  # one pass: nothing to learn from
+    sigma, freedom = pass_noise(levels)
+    assert (round(sigma, 6), freedom) == (s, 2)
+    assert pass_noise([([5.0], [4.0])]) is None
+
+    # a clear winner: adaptive against that setting alone, a ratio of two noisy means
+    clear = chance_at_goal(10.0, 5.0, 0.03)
+    z = math.log(0.95) / (0.03 * math.sqrt(2))
+    assert abs(clear - 0.5 * (1 - math.erf(z / math.sqrt(2)))) < 1e-3
+    # a tie is harder: the better of two noisy settings is measured high
+    tie = chance_at_goal(10.0, 10.0, 0.03)
+    rng = random.Random(0)
+    draws = [rng.gauss(0, 0.03) - max(rng.gauss(0, 0.03), rng.gauss(0, 0.03)) for _ in range(40000)]
+    assert abs(tie - sum(d >= math.log(0.95) for d in draws) / len(draws)) < 0.01
+    assert tie < clear - 0.05
+    assert chance_at_goal(10.0, 5.0, 0.0) == 1.0 and chance_at_goal(10.0, 5.0, 0.5) < 0.6
+
+
+def test_load_aware_table_gives_an_oracles_chance_where_the_passes_give_the_noise():
+    from specserve.benchmarks.report import load_aware_noise, load_aware_rows
+
+    def level(system, method, streams, passes):
+        return {"system": system, "method": method, "workload": "code", "concurrency": streams, "status": "ok",
+                "throughput_tok_s": sum(passes) / len(passes), "pass_throughputs": passes,
+                "speculation_off_share": None}
+
+    runs = [level("specserve none", "none", 1, [4.0, 4.0]),
+            level("specserve draft k=4", "draft", 1, [5.0, 5.2]),
+            level("specserve draft k=4 policy=adaptive", "draft", 1, [5.1, 5.1]),
+            level("specserve none", "none", 8, [10.0, 9.6]),
+            level("specserve draft k=4", "draft", 8, [8.0, 8.0]),
+            level("specserve draft k=4 policy=adaptive", "draft", 8, [9.0, 9.2])]
+    [head, rule, one, eight] = load_aware_rows(runs)
+    assert head.endswith("| an oracle's chance of ≥ 0.95x |") and rule.count("---") == 9
+    chances = [int(row.split("|")[-2].strip().rstrip("%")) for row in (one, eight)]
+    assert all(50 < c < 100 for c in chances)
+    [note, blank] = load_aware_noise(runs)
+    assert "±2.0%" in note and "2 degrees of freedom" in note and blank == ""
+    # one pass each: no noise, no column, no note
+    one_pass = [{**r, "pass_throughputs": r["pass_throughputs"][:1]} for r in runs]
+    assert load_aware_rows(one_pass)[0].endswith("| adaptive's rounds that speculate |")
+    assert load_aware_noise(one_pass) == []
+
+
 def test_load_aware_plot_shows_adaptives_ratios_per_level(tmp_path):
     import matplotlib.image
 

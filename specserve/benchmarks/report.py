@@ -6,9 +6,12 @@ Everything here reads the JSON dict only, so a report can be rendered again from
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any
+
+from specserve.benchmarks.noise import GOAL, run_noise
 
 PLOTS = {
     "speedup": ("speedup.png", "Library mode: speedup over specserve `none` per system and workload"),
@@ -240,7 +243,8 @@ def load_aware_levels(runs: list[dict]) -> list[dict]:
     A level needs, at one workload and concurrency, target-only (`none`), one fixed speculative
     setting and the same method with `policy=adaptive`, each with tokens; levels without them are
     left out. Each level: workload, streams, off / on / adaptive tok/s, adaptive's ratio to the
-    better fixed setting and to always on, and the share of adaptive's rounds that speculated.
+    better fixed setting and to always on, the share of adaptive's rounds that speculated, and
+    each setting's tok/s per pass.
     """
     levels = []
     for workload in dict.fromkeys(r["workload"] for r in runs):
@@ -259,6 +263,8 @@ def load_aware_levels(runs: list[dict]) -> list[dict]:
             share = adaptive.get("speculation_off_share")
             steady = [r.get("steady_tok_s") for r in (off, on, adaptive)]
             levels.append({"workload": workload, "streams": streams, "off": t_off, "on": t_on, "adaptive": t_ad,
+                           "passes": {name: list(r.get("pass_throughputs") or [])
+                                      for name, r in (("off", off), ("on", on), ("adaptive", adaptive))},
                            "vs_better_fixed": t_ad / max(t_on, t_off), "vs_on": t_ad / t_on,
                            "speculated": None if share is None else 1 - share,
                            # closed-loop turns: the same ratio while every stream was busy
@@ -268,19 +274,41 @@ def load_aware_levels(runs: list[dict]) -> list[dict]:
 
 def load_aware_rows(runs: list[dict]) -> list[str]:
     """`load_aware_levels` as a Markdown table (empty without a level); a column for the steady
-    state where closed-loop turns measured one."""
+    state where closed-loop turns measured one, and one for an oracle's chance of the goal where
+    the passes give the run's noise (`specserve.benchmarks.noise`)."""
     levels = load_aware_levels(runs)
     steady = any(lv["steady_vs_better_fixed"] is not None for lv in levels)
+    noise = run_noise(levels)
+    chances = noise["chances"] if noise else [None] * len(levels)
     rows = [f"| {lv['workload']} | {lv['streams']} | {lv['off']:.2f} | {lv['on']:.2f} | {lv['adaptive']:.2f} "
             f"| {lv['vs_better_fixed']:.2f}x | {lv['vs_on']:.2f}x | {_f(lv['speculated'], '{:.0%}')} |"
             + (f" {_f(lv['steady_vs_better_fixed'], '{:.2f}x')} |" if steady else "")
-            for lv in levels]
+            + (f" {chance:.0%} |" if noise else "")
+            for lv, chance in zip(levels, chances)]
     if not rows:
         return []
     return ["| workload | streams | always off | always on | adaptive | adaptive / better fixed "
             "| adaptive / always on | adaptive's rounds that speculate |"
-            + (" the same ratio, steady state |" if steady else ""),
-            "|---|---|---|---|---|---|---|---|" + ("---|" if steady else ""), *rows]
+            + (" the same ratio, steady state |" if steady else "")
+            + (f" an oracle's chance of ≥ {GOAL:.2f}x |" if noise else ""),
+            "|---|---|---|---|---|---|---|---|" + ("---|" if steady else "") + ("---|" if noise else ""), *rows]
+
+
+def load_aware_noise(runs: list[dict]) -> list[str]:
+    """What the run's noise allows, as a paragraph (none where the passes do not give it): one setting's spread
+    per pass, a ratio's over the passes, and how often an oracle (a setting that is the better
+    fixed setting at every level) would measure ≥ the goal at all levels."""
+    levels = load_aware_levels(runs)
+    noise = run_noise(levels)
+    if noise is None:
+        return []
+    return [f"Noise: always on / always off moved from pass to pass by what makes one setting's tok/s in "
+            f"one pass vary by ±{noise['pass_sigma']:.1%} (one standard deviation, pooled over this run's "
+            f"levels, {noise['freedom']} degrees of freedom), so a ratio of two settings over "
+            f"{noise['passes']} passes by ±{noise['mean_sigma'] * math.sqrt(2):.1%}. An oracle, equal to the "
+            f"better fixed setting at every level, would measure ≥ {GOAL:.2f}x at the levels above with the "
+            f"chances in the last column: at {sum(noise['chances']):.1f} of {len(levels)} levels on average, and "
+            f"at all of them {noise['all_levels']:.0%} of the time.", ""]
 
 
 def _service_notes(run: dict) -> str:
@@ -570,6 +598,7 @@ def _service(doc: dict, image_prefix: str) -> list[str]:
     if load_aware:
         out += ["### Load-aware speculation against fixed settings", "",
                 "tok/s of each setting (above) and adaptive's ratio to the better of always off and always on "
-                "at the same concurrency.", "", *load_aware, "", *_plots(doc, ("load_aware",), image_prefix)]
+                "at the same concurrency.", "", *load_aware, "", *load_aware_noise(service),
+                *_plots(doc, ("load_aware",), image_prefix)]
     out += _plots(doc, ("throughput", "latency"), image_prefix)
     return out
