@@ -69,7 +69,8 @@ def chance_at_goal(on: float, off: float, sigma: float, goal: float = GOAL) -> f
 def run_noise(levels: list[dict]) -> dict | None:
     """The noise of a run's `load_aware_levels` and, per level, the chance that an adaptive
     setting equal to the better fixed setting meets the goal: {"pass_sigma", "freedom",
-    "mean_sigma" (of a mean over the passes), "passes", "chances" (per level), "all_levels"}.
+    "mean_sigma" (of a setting's mean over the passes), "ratio_sigma" (of a ratio of two such
+    means), "passes", "chances" (per level), "all_levels"}.
     None where no level has both fixed settings' tok/s in more than one pass."""
     pairs = [(lv["passes"]["on"], lv["passes"]["off"]) for lv in levels
              if len(lv["passes"]["on"]) > 1 and len(lv["passes"]["on"]) == len(lv["passes"]["off"])]
@@ -80,8 +81,9 @@ def run_noise(levels: list[dict]) -> dict | None:
     passes = min(len(on) for on, _ in pairs)
     mean_sigma = pass_sigma / math.sqrt(passes)
     chances = [chance_at_goal(lv["on"], lv["off"], mean_sigma) for lv in levels]
-    return {"pass_sigma": pass_sigma, "freedom": freedom, "mean_sigma": mean_sigma, "passes": passes,
-            "chances": chances, "all_levels": math.prod(chances)}
+    return {"pass_sigma": pass_sigma, "freedom": freedom, "mean_sigma": mean_sigma,
+            "ratio_sigma": mean_sigma * math.sqrt(2), "passes": passes, "chances": chances,
+            "all_levels": math.prod(chances)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         if noise is None:
             continue
         met = sum(lv["vs_better_fixed"] >= GOAL for lv in levels)
-        print(f"| {path.parent} | {len(levels)} | {noise['pass_sigma']:.1%} | {noise['mean_sigma'] * math.sqrt(2):.1%} "
+        print(f"| {path.parent} | {len(levels)} | {noise['pass_sigma']:.1%} | {noise['ratio_sigma']:.1%} "
               f"| {met} | {sum(noise['chances']):.1f} | {noise['all_levels']:.0%} |")
 
 

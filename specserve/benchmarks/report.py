@@ -6,7 +6,6 @@ Everything here reads the JSON dict only, so a report can be rendered again from
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -295,9 +294,9 @@ def load_aware_rows(runs: list[dict]) -> list[str]:
 
 
 def load_aware_noise(runs: list[dict]) -> list[str]:
-    """What the run's noise allows, as a paragraph (none where the passes do not give it): one setting's spread
-    per pass, a ratio's over the passes, and how often an oracle (a setting that is the better
-    fixed setting at every level) would measure ≥ the goal at all levels."""
+    """What the run's noise allows, as a paragraph (none where the passes do not give it): one
+    setting's spread per pass, a ratio's over the passes, and how often an oracle (a setting that
+    is the better fixed setting at every level) would measure ≥ the goal at all levels."""
     levels = load_aware_levels(runs)
     noise = run_noise(levels)
     if noise is None:
@@ -305,7 +304,7 @@ def load_aware_noise(runs: list[dict]) -> list[str]:
     return [f"Noise: always on / always off moved from pass to pass by what makes one setting's tok/s in "
             f"one pass vary by ±{noise['pass_sigma']:.1%} (one standard deviation, pooled over this run's "
             f"levels, {noise['freedom']} degrees of freedom), so a ratio of two settings over "
-            f"{noise['passes']} passes by ±{noise['mean_sigma'] * math.sqrt(2):.1%}. An oracle, equal to the "
+            f"{noise['passes']} passes by ±{noise['ratio_sigma']:.1%}. An oracle, equal to the "
             f"better fixed setting at every level, would measure ≥ {GOAL:.2f}x at the levels above with the "
             f"chances in the last column: at {sum(noise['chances']):.1f} of {len(levels)} levels on average, and "
             f"at all of them {noise['all_levels']:.0%} of the time.", ""]
