@@ -614,14 +614,23 @@ class _EpochGoodput:
     closed_at: float  # when its last round ended (seen at a round start)
 
 
-def _averaged_yield(average: float | None, sample: float | None, weight: float, first: bool) -> float | None:
-    """A yield averaged as the goodput it goes with: the first sample as it is, then an EMA;
-    None once any sample lacked one (what was measured partly without yields stays unscaled)."""
-    if first:
+def _settling_average(average: float | None, sample: float, count: int, weight: float) -> float:
+    """The `count`-th sample into an average: the first samples evenly (one short draw must not
+    set it), then an EMA of `weight`."""
+    if average is None:
+        return sample
+    return average + max(weight, 1 / count) * (sample - average)
+
+
+def _averaged_yield(average: float | None, sample: float | None, count: int, weight: float) -> float | None:
+    """A yield averaged as the goodput it goes with (`_settling_average`, `count` its sample's
+    number); None once any sample lacked one (what was measured partly without yields stays
+    unscaled)."""
+    if count == 1:
         return sample
     if average is None or sample is None:
         return None
-    return average + weight * (sample - average)
+    return _settling_average(average, sample, count, weight)
 
 
 @dataclass
@@ -1086,11 +1095,10 @@ class MeasuredModes:
         last = getattr(measured, self.current)
         count = measured.measurements.get(self.current, int(last is not None)) + 1
         measured.measurements[self.current] = count
-        weight = max(self.weight, 1 / count)  # the first epochs evenly: one short draw must not set it
-        setattr(measured, self.current, goodput if last is None else last + weight * (goodput - last))
+        setattr(measured, self.current, _settling_average(last, goodput, count, self.weight))
         epoch_yield = self._yields / self._yielded if self._yielded else None
         if self.current == "model":  # the yield it was measured at, averaged alike
-            measured.model_yield = _averaged_yield(measured.model_yield, epoch_yield, weight, first=last is None)
+            measured.model_yield = _averaged_yield(measured.model_yield, epoch_yield, count, self.weight)
         self._pair(measured, _EpochGoodput(self.current, goodput, self._in_flight / self._starts,
                                            epoch_yield if self.current == "model" else None, now))
         measured.epochs += 1
@@ -1113,11 +1121,8 @@ class MeasuredModes:
             return
         model, off = (epoch, last) if epoch.mode == "model" else (last, epoch)
         measured.pairs += 1
-        weight = max(self.weight, 1 / measured.pairs)  # the first pairs evenly, as a mode's first epochs
-        sample = model.goodput / off.goodput
-        first = measured.lead is None
-        measured.lead = sample if first else measured.lead + weight * (sample - measured.lead)
-        measured.lead_yield = _averaged_yield(measured.lead_yield, model.model_yield, weight, first)
+        measured.lead = _settling_average(measured.lead, model.goodput / off.goodput, measured.pairs, self.weight)
+        measured.lead_yield = _averaged_yield(measured.lead_yield, model.model_yield, measured.pairs, self.weight)
 
     def _back_off(self, measured: _ModeGoodput, overturned: bool) -> None:
         """The wait before a level's next exploration: reset by one that overturned the
