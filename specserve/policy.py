@@ -817,6 +817,17 @@ class MeasuredModes:
     a minute paid a first look at the model again: at chat 8 streams in a closed loop, a ~15-s
     first look measuring the model at 0.88x off cost such a turn ~10% against always off.
 
+    Bursts. A wave's requests enter one by one within milliseconds, so by their own count its
+    first rounds (the prompts' prefills) would pass through every level below the wave's and
+    take those levels' modes: at code 16 streams on a 2-core AVX2 EPYC, with the model 1.41x
+    off at 12-22 in flight and off the better at 3-11, requests 3 to 11 of a wave began off
+    (their draft pools left their prompts for later), and the wave ran 25 s of off epochs
+    while its prompts prefilled before the model warmed up on their catch-ups,
+    where always on decoded 1.4x faster than always off. So a first round decides at the most
+    requests in flight lately (`peak_in_flight`, RecentPeak) where that is more than its own
+    count: the load the wave enters into, as its draft catch-ups already do
+    (RequestState.draft_sync_due).
+
     Predicting off. Off's costs are the target's passes and nothing else, which the load model
     sees whole (`LoadModel.off_goodput`): where the model measured above that prediction by
     more than `off_margin`, off is neither measured nor explored.
@@ -929,7 +940,8 @@ class MeasuredModes:
 
     def begin(self, now: float, in_flight: int, *, prefilling: bool = False, catching_up: bool = False,
               first_round: bool = False, switch_cost_s: float = 0.0, off_predicted: float | None = None,
-              model_yield: float | None = None, room_tokens: float | None = None) -> RoundTicket:
+              model_yield: float | None = None, room_tokens: float | None = None,
+              peak_in_flight: int | None = None) -> RoundTicket:
         """A round of a steered request begins now: its mode, "model" (the per-request policy
         decides) or "off". `prefilling`: a prompt prefill runs now (PrefillWatch.active, this
         round's own included); `catching_up`: a draft pool's catch-up runs now
@@ -941,13 +953,17 @@ class MeasuredModes:
         this request's round would emit on average if it speculated as the model does (its
         acceptance; None: not known), see "Acceptance"; `room_tokens`: the tokens the steered
         requests may still emit, on average (their max_tokens left; None: unbounded), the time a
-        switch to the model has to earn its catch-ups back in (see "Paying back"). Hand the ticket
-        to `end` when the round ends, however it ends."""
+        switch to the model has to earn its catch-ups back in (see "Paying back");
+        `peak_in_flight`: the most requests in flight lately (RecentPeak), the load a first round
+        decides at where it is above `in_flight` (see "Bursts"). Hand the ticket to `end` when
+        the round ends, however it ends."""
         self._switch_cost_s, self._off_predicted = switch_cost_s, off_predicted
         self._room_tokens = room_tokens
         if model_yield is not None:
             self.yield_now = (model_yield if self.yield_now is None
                               else self.yield_now + self.yield_weight * (model_yield - self.yield_now))
+        if first_round and peak_in_flight is not None:  # see "Bursts"
+            in_flight = max(in_flight, peak_in_flight)
         level = self.level(in_flight) if self.measures(in_flight) else 0
         self._advance(now, level, in_flight, prefilling, catching_up)
         counted = self._window and not first_round

@@ -1684,3 +1684,27 @@ def test_the_policy_cost_bench_times_every_method_and_load_and_reports_the_large
     _, speculated_off = policy_cost.policy_seconds_per_round(policy_cost.METHODS["draft chain k=4"], 8, 60,
                                                              random.Random(1), epochs_off=True)
     assert speculated_off == 0  # the epochs' off path is timed too
+
+
+def test_a_bursts_first_rounds_decide_at_the_load_it_enters_into():
+    from specserve.policy import MeasuredModes
+
+    def modes_of_a_burst(peak):
+        modes = MeasuredModes()
+        # measured before: off the better at 3-11 requests in flight, the model 1.41x off at 12-22
+        for level, lead in {2: 1.14, 3: 1.03, 4: 1.41}.items():
+            measured = modes._measured(level)
+            measured.model, measured.off, measured.lead, measured.pairs = 14.0 * lead, 14.0, lead, 2
+            measured.measurements, measured.epochs, measured.warmed = {"model": 3, "off": 3}, 10, True
+            measured.next_explore = 40
+        modes.current = "off"
+        return [modes.begin(1000.0 + n / 1000, n, prefilling=True, first_round=True, room_tokens=64.0,
+                            peak_in_flight=peak).mode for n in range(1, 17)]
+
+    # by their own count requests 3 to 11 take the modes of the levels the burst passes through
+    assert modes_of_a_burst(None) == ["model"] * 2 + ["off"] * 9 + ["model"] * 5
+    # at the load the wave enters into (the last wave's peak), every one runs the wave's mode
+    assert modes_of_a_burst(16) == ["model"] * 16
+    # a peak below the burst's own count does not hold it back
+    assert modes_of_a_burst(8) == ["off"] * 11 + ["model"] * 5
+

@@ -387,7 +387,8 @@ class Router(GrpcApi):
                                            catching_up=self._catching_up(), first_round=prefill,
                                            switch_cost_s=switch_cost_s(self.load, self.steered.values()),
                                            off_predicted=self.load.off_goodput(), model_yield=state.model_yield,
-                                           room_tokens=room_tokens(self.steered.values()))
+                                           room_tokens=room_tokens(self.steered.values()),
+                                           peak_in_flight=self.peak_in_rounds.value(round_start))
                           if state.adaptive else None)
                 mode = ticket.mode if ticket is not None else "model"
                 warming_up = ticket is not None and self.modes.warming_up
