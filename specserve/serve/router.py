@@ -382,13 +382,14 @@ class Router(GrpcApi):
                 round_start = time.monotonic()
                 self.load.in_flight = self.in_rounds
                 self.peak_in_rounds.observe(round_start, self.in_rounds)
+                peak = self.peak_in_rounds.value(round_start)  # the load a wave's first rounds enter into
                 # only requests the policy steers take part in (and are measured by) its epochs
                 ticket = (self.modes.begin(round_start, self.in_rounds, prefilling=self.prefills.active > 0 or prefill,
                                            catching_up=self._catching_up(), first_round=prefill,
                                            switch_cost_s=switch_cost_s(self.load, self.steered.values()),
                                            off_predicted=self.load.off_goodput(), model_yield=state.model_yield,
                                            room_tokens=room_tokens(self.steered.values()),
-                                           peak_in_flight=self.peak_in_rounds.value(round_start))
+                                           peak_in_flight=peak)
                           if state.adaptive else None)
                 mode = ticket.mode if ticket is not None else "model"
                 warming_up = ticket is not None and self.modes.warming_up
@@ -397,7 +398,7 @@ class Router(GrpcApi):
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off",
                                             measured_level=measured_level)
                 # the draft pool catches up meanwhile: this round runs target-only
-                peak_measured = self.modes.measures(self.peak_in_rounds.value(round_start))
+                peak_measured = self.modes.measures(peak)
                 if state.draft_sync_due(others_prefilling=self.prefills.active > 0, measured_level=measured_level,
                                         peak_measured=peak_measured):
                     self._sync_draft(state)
