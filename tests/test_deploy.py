@@ -6,6 +6,7 @@ drift between the manifests and the committed files, and the PodMonitor's port.
 """
 
 import copy
+import re
 import shutil
 from pathlib import Path
 
@@ -229,7 +230,10 @@ def test_a_changed_manifest_is_caught_as_drift(drifted_manifests, tmp_path):
 
 def test_a_serve_only_change_is_caught_as_drift(drifted_manifests):
     path = drifted_manifests / "local.yaml"
-    path.write_text(path.read_text().replace("k: 4 ", "k: 5 "))
+    text = path.read_text()
+    edited = re.sub(r"(\n\s+k: )\d+", r"\g<1>5", text, count=1)  # the chain's length: a Serve-only setting
+    assert edited != text
+    path.write_text(edited)
     assert kuberay.stale_files(manifests=drifted_manifests) == ["cpu/rayservice.yaml"]
 
 
