@@ -16,9 +16,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 K = 4  # draft tokens per round for every chain method, specserve's and its peers'
-# The adaptive policy's cap: it picks 0..ADAPTIVE_K per round from measured acceptance, so its cap
-# can sit deeper than a fixed k (code at 1 stream: fixed k=6 1.13x k=4, docs/bench/depth-1).
-ADAPTIVE_K = 8
 
 # (specserve method, options): one line per variant; "none" first (it is the baseline).
 SPECSERVE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
