@@ -139,18 +139,20 @@ class SpeculativeDecoder:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] = SamplingParams(), *,
                  speculation: Speculation | None = None, method: str | None = None, proposer: str | None = None,
                  shape: str | None = None, k: int | None = None, tree: TreeSpec | None = None,
-                 acceptance: str | None = None, policy: str | None = None) -> list[Generation]:
+                 acceptance: str | None = None, policy: str | None = None,
+                 solo_k: int | None = None) -> list[Generation]:
         """Generate for a batch of prompts (strings or token id lists) together. `speculation`
         (or `proposer`, `shape`, `k`, `tree`, `acceptance`, `policy`, or the older `method`)
         override the decoder's defaults for this call. `policy="adaptive"` lets the load-aware
-        policy pick each round's depth (0..k); an explicit k, shape, tree or proposer alone
-        means fixed."""
+        policy pick each round's depth (0..k, or 0..`solo_k` for a chain decoded alone); an
+        explicit k, shape, tree or proposer alone means fixed."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise SpecserveError("give one SamplingParams per prompt, or one for all")
         spec = (speculation or self.speculation).overridden(method=method, proposer=proposer, shape=shape, k=k,
-                                                            tree=tree, acceptance=acceptance, policy=policy)
+                                                            tree=tree, acceptance=acceptance, policy=policy,
+                                                            solo_k=solo_k)
         self._check_proposer(spec)
         states = [RequestState(uuid.uuid4().hex, self._encode(prompt), p, spec, self.eos_token_ids, self.max_context)
                   for prompt, p in zip(prompts, params)]
@@ -181,7 +183,7 @@ class SpeculativeDecoder:
 
     def _round(self, live: list[RequestState]) -> None:
         for s in live:
-            s.plan_round(self.policy, self.load, batch=len(live))
+            s.plan_round(self.policy, self.load, batch=len(live), alone=len(live) == 1)
         drafting = [(s.propose_request(), s.speculation.proposer) for s in live if s.needs_proposer]
         pooled = [r for r, proposer in drafting if proposer in DRAFT_POOL_PROPOSERS]
         proposals = {p.request_id: p for p in self.ngram.propose([r for r, proposer in drafting

@@ -300,6 +300,10 @@ class Speculation:
     policy: str = "fixed"
     # Greedy draft-pool chains: verifies at once on one streamed draft (specserve.pipeline); 0: off
     pipeline: int = 0
+    # Adaptive chains: the longest chain the policy may draft for a request alone in the rounds
+    # (0: k). Alone, a deep draft costs only its own round; sharing the target's passes, every
+    # request's round waits for it (see `cap`).
+    solo_k: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.pipeline <= MAX_PIPELINE:
@@ -314,6 +318,12 @@ class Speculation:
             raise SpecserveError(f"unknown speculation shape {self.shape!r}; choose one of {', '.join(SHAPES)}")
         if not 0 <= self.k <= MAX_K:
             raise SpecserveError(f"k (draft tokens per round) must be in [0, {MAX_K}], got {self.k}")
+        if self.solo_k and self.policy != "adaptive":
+            raise SpecserveError("solo_k (the longest chain for a request alone) is the adaptive policy's: with "
+                                 "policy fixed every round drafts k; set policy adaptive or drop solo_k")
+        if self.solo_k and not self.k <= self.solo_k <= MAX_K:
+            raise SpecserveError(f"solo_k (the longest adaptive chain for a request alone) must be 0 (= k) or "
+                                 f"in [k, {MAX_K}] = [{self.k}, {MAX_K}], got {self.solo_k}")
         if self.acceptance not in ACCEPTANCES:
             raise SpecserveError(f"unknown acceptance {self.acceptance!r}; choose exact (lossless) or "
                                  "typical (lossy, Medusa's typical acceptance)")
@@ -322,6 +332,16 @@ class Speculation:
     def depth(self) -> int:
         """The most draft tokens one round can accept: k for a chain, the tree's depth."""
         return 0 if self.proposer in TARGET_ONLY_PROPOSERS else self.k if self.shape == "chain" else self.tree.depth
+
+    def cap(self, alone: bool) -> int:
+        """The deepest round the load-aware policy may choose: the depth, or for a chain whose
+        request is alone in the rounds, `solo_k` where that is deeper. Why not solo_k always: a
+        request sharing the target's passes makes every other one wait for its draft and verify,
+        which its own goodput does not count (a cap of 8 everywhere: 1.06x always on's k = 4 at
+        1 stream on code, 0.70x at 8 streams; docs/bench/adaptive-cap8-avx2)."""
+        if alone and self.shape == "chain" and self.proposer not in TARGET_ONLY_PROPOSERS:
+            return max(self.k, self.solo_k)
+        return self.depth
 
     @property
     def co_located(self) -> bool:
@@ -349,23 +369,28 @@ class Speculation:
         if self.proposer in TARGET_ONLY_PROPOSERS:
             return {"none": "none", "native": "native (the target engine's own speculative decoding)"}[self.proposer]
         shape = f"chain k={self.k}" if self.shape == "chain" else f"tree {self.tree}"
-        policy = ", adaptive (load-aware)" if self.adaptive else ""
+        solo = f", up to {self.solo_k} alone" if self.adaptive and self.shape == "chain" and self.solo_k > self.k else ""
+        policy = f", adaptive (load-aware{solo})" if self.adaptive else ""
         return f"{self.proposer}, {shape}{policy}, {'typical acceptance (LOSSY)' if self.lossy else 'exact'}"
 
     def overridden(self, *, method: str | None = None, proposer: str | None = None, shape: str | None = None,
                    k: int | None = None, tree: TreeSpec | None = None, acceptance: str | None = None,
                    typical: dict | None = None, policy: str | None = None,
-                   pipeline: int | None = None) -> Speculation:
+                   pipeline: int | None = None, solo_k: int | None = None) -> Speculation:
         """This speculation with some settings replaced (a request's override, a CLI flag).
         `method` is the older spelling of proposer + shape (see `from_method`). `typical` is
         partial: unset fields keep these ones. An explicit proposer, shape, k or tree wins over
         the load-aware policy: it makes the policy `fixed` unless `policy` is given too; so does a
-        pipeline (its chunks are k tokens each)."""
+        pipeline (its chunks are k tokens each). Without its own `solo_k`, a request that sets k
+        (its longest chain) or ends up fixed drops the deployment's."""
         if method is not None:
             proposer, shape = from_method(method, proposer, shape)
         if policy is None and (any(v is not None for v in (proposer, shape, k, tree)) or pipeline):
             policy = "fixed"
+        if solo_k is None and self.solo_k and (k is not None or (policy or self.policy) == "fixed"):
+            solo_k = 0
         changes = {name: value for name, value in (("proposer", proposer), ("shape", shape), ("k", k),
+                                                   ("solo_k", solo_k),
                                                    ("tree", tree), ("acceptance", acceptance),
                                                    ("policy", policy), ("pipeline", pipeline)) if value is not None}
         if typical:

@@ -241,9 +241,10 @@ class RequestState:
         return self.speculation.adaptive and not self.pinned_depth
 
     def plan_round(self, policy: SpeculationPolicy, load: LoadModel, batch: float | None = None,
-                   measured_off: bool = False, measured_level: bool = False) -> Decision | None:
+                   measured_off: bool = False, measured_level: bool = False, alone: bool = False) -> Decision | None:
         """Adaptive speculation: let the policy set this round's depth (0 = off) from the
-        request's acceptance and the pools' load. `measured_level`: at this load the router's
+        request's acceptance and the pools' load; `alone`: no other request runs rounds, so a
+        chain may go to `speculation.solo_k` (Speculation.cap). `measured_level`: at this load the router's
         measured epochs (MeasuredModes) decide whether requests speculate, so the model does not
         probe from off, and a request with a draft pool drafts its whole configured depth (see
         below); `measured_off`: this epoch runs speculation off. Fixed speculation: nothing to
@@ -266,14 +267,14 @@ class RequestState:
         if not self.adaptive:
             return None
         if self.acceptance is None:
-            self.acceptance = policy.tracker(f"{spec.proposer}/{spec.shape}", spec.depth)
+            self.acceptance = policy.tracker(f"{spec.proposer}/{spec.shape}", spec.cap(alone=True))
         current = spec.depth if self.policy_k is None else self.policy_k
         if measured_off:
             decision = Decision(0, {}, "measured")
         elif measured_level and spec.draft_cost == "pool":
             decision = Decision(spec.depth, {}, "measured")
         else:
-            decision = policy.choose(self.acceptance, load, current=current, max_k=spec.depth, batch=batch,
+            decision = policy.choose(self.acceptance, load, current=current, max_k=spec.cap(alone), batch=batch,
                                      draft_cost=spec.draft_cost, catch_up=self.draft_unseen,
                                      room=self.room(), probe_from_off=not measured_level)
         self.policy_k = decision.k

@@ -333,6 +333,21 @@ def test_greedy_output_is_exact_when_k_varies_every_round(qwen_pair, method):
     assert outs[0].speculation["policy"] == "adaptive"
 
 
+def test_a_request_decoded_alone_drafts_up_to_solo_k_and_stays_exact(qwen_pair):
+    """`speculation.solo_k`: a request alone in the rounds may draft deeper than k (the policy's
+    cap), a batch of them at most k; the output is the target's own either way."""
+    target, draft = qwen_pair
+    decoder = make_decoder(target, draft, k=4)
+    decoder.policy = RandomDepthPolicy(seed=3)
+    out = decoder.generate(PROMPTS[:1], SamplingParams(max_tokens=40), policy="adaptive", solo_k=8)[0]
+    assert out.token_ids == hf_greedy(target, PROMPTS[0], 40)
+    assert max(decoder.policy.chosen) > 4
+    decoder.policy = RandomDepthPolicy(seed=3)
+    outs = decoder.generate(PROMPTS[:2], SamplingParams(max_tokens=12), policy="adaptive", solo_k=8)
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, 12) for p in PROMPTS[:2]]
+    assert max(decoder.policy.chosen[:2]) <= 4  # two requests share the rounds
+
+
 def test_sampled_output_follows_the_target_distribution_when_k_varies(monkeypatch):
     from specserve.request_state import RequestState
 

@@ -798,6 +798,50 @@ def test_where_epochs_measure_the_modes_a_draft_pool_request_drafts_its_whole_de
         assert state.plan_round(policy, load, batch=64, measured_off=True, measured_level=True).k == 0
 
 
+def test_a_request_alone_may_draft_up_to_solo_k_and_sharing_the_rounds_at_most_k():
+    """Alone, a deep draft where the draft is sure costs only the request's own round; sharing
+    the target's passes it would lengthen every request's round, which its own goodput does not
+    count (a cap of 8 for every request ran code at 8 streams at 0.70x always on's k = 4)."""
+    policy, load = SpeculationPolicy(), loaded_model(random.Random(9))
+    spec = Speculation(proposer="draft", k=4, solo_k=8, policy="adaptive")
+    assert (spec.cap(alone=True), spec.cap(alone=False)) == (8, 4)
+    state = _state(spec)
+    state.output_ids = [7]
+    state.acceptance = measured(0.99)  # drafts this good pay deeper than 4 at batch 1
+    alone = state.plan_round(policy, load, batch=1, alone=True)
+    assert alone.k > 4 and max(alone.goodput) == 8
+    shared = state.plan_round(policy, load, batch=2)
+    assert shared.k == 4 and max(shared.goodput) == 4
+    assert state.plan_round(policy, load, batch=64, measured_level=True).k == 4  # the epochs' depth stays k
+    # a tree's depth is its own; solo_k is a chain's
+    assert Speculation(proposer="draft", shape="tree", k=4, solo_k=8, policy="adaptive").cap(alone=True) == 12
+
+
+def test_solo_k_belongs_to_the_adaptive_policy_and_a_request_s_own_k_drops_it():
+    from specserve.protocol import SpecserveError
+    from specserve.serve.config import AppArgs
+    from specserve.serve.openai_api import SpeculationOverride
+
+    deployment = Speculation(proposer="draft", k=4, solo_k=8, policy="adaptive")
+    assert deployment.overridden(k=6, policy="adaptive").cap(alone=True) == 6  # its k is its longest chain
+    assert deployment.overridden(k=3).policy == "fixed" and deployment.overridden(k=3).solo_k == 0
+    assert deployment.overridden(policy="fixed").solo_k == 0
+    assert deployment.overridden(acceptance="exact").solo_k == 8
+    assert SpeculationOverride(solo_k=12).apply_to(deployment).cap(alone=True) == 12
+    assert "up to 8 alone" in deployment.describe()
+    with pytest.raises(SpecserveError, match="at least|in \\[k"):
+        SpeculationOverride(solo_k=2).apply_to(deployment)
+    with pytest.raises(SpecserveError, match="adaptive"):
+        SpeculationOverride(k=4, solo_k=8).apply_to(deployment)  # an explicit k alone means fixed
+    for speculation, message in (({"solo_k": 8, "policy": "fixed"}, "adaptive"), ({"solo_k": 3, "k": 4}, "solo_k")):
+        with pytest.raises(ValueError, match=message):  # refused when the app is built
+            AppArgs.model_validate({"target": {"model": "fake"}, "draft": {"model": "fake"},
+                                    "speculation": speculation})
+    built = AppArgs.model_validate({"target": {"model": "fake"}, "draft": {"model": "fake"},
+                                    "speculation": {"solo_k": 8}})
+    assert built.speculation.spec().cap(alone=True) == 8
+
+
 def test_a_request_turned_off_by_an_unlucky_estimate_comes_back():
     """Drafts are accepted 80% of the time, but the deployment's estimate says 10% (what a
     stretch of bad prompts left): at batch 1 the model turns speculation off. Off, nothing is

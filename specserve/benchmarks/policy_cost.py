@@ -62,7 +62,8 @@ def policy_seconds_per_round(spec: Speculation, streams: int, rounds: int, rng: 
                              switch_cost_s=switch_cost_s(load, states), off_predicted=load.off_goodput(),
                              model_yield=state.model_yield, room_tokens=room_tokens(states))
         measured_level = modes.measures(streams)
-        state.plan_round(policy, load, measured_off=ticket.mode == "off", measured_level=measured_level)
+        state.plan_round(policy, load, measured_off=ticket.mode == "off", measured_level=measured_level,
+                         alone=streams == 1)
         state.draft_sync_due(others_prefilling=False, measured_level=measured_level,  # only its cost counts here
                              peak_measured=modes.measures(peak.value(now)))
         k = state.round_k()

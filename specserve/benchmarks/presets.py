@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specserve.benchmarks.systems import K, SERVED
+from specserve.benchmarks.systems import K, SERVED, SOLO_K
 
 VS_VLLM = ["specserve none", f"specserve draft k={K}", "vllm none", f"vllm draft_model k={K}"]
 
@@ -113,13 +113,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "adaptive": {
         "help": "make bench-adaptive: service mode through manifests/local.yaml at 1, 2, 4, 8 and 16 streams on code "
                 "and chat: speculation always off, always on (draft chain k=4) and adaptive (the load-aware policy, "
-                "0..4 draft tokens per round); 2 passes A B C C B A at each level, wave by wave (a wave: as many prompts as "
+                "0..4 draft tokens per round, 0..8 for a request alone, as manifests/local.yaml); 2 passes A B C C B A at each level, wave by wave (a wave: as many prompts as "
                 "streams), rotated from wave to wave (about "
                 "45-60 minutes on a 2-core AMD EPYC)",
         "modes": ["service"], "workloads": ["code", "chat"], "prompts": 8, "max_tokens": 96, "service_requests": 8,
         "service_max_tokens": 64, "service_repeats": 2, "concurrency": [1, 2, 4, 8, 16],
         "manifest": "manifests/local.yaml",
-        "variants": [("none", {}), ("draft", {"k": K}), ("draft", {"k": K, "policy": "adaptive"})],
+        "variants": [("none", {}), ("draft", {"k": K}), ("draft", {"k": K, "solo_k": SOLO_K, "policy": "adaptive"})],
     },
     "http": {
         "help": "make bench-http: service mode through `serve run manifests/local.yaml` (or --manifest, --url) and "

@@ -16,6 +16,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 K = 4  # draft tokens per round for every chain method, specserve's and its peers'
+# The adaptive policy's longest chain for a request alone in the rounds (`speculation.solo_k`,
+# manifests/local.yaml): with the target to itself a request drafts 0..SOLO_K, as deep as its
+# measured acceptance pays (code at 1 stream: fixed k=6 1.13x k=4, docs/bench/depth-1).
+SOLO_K = 8
 
 # (specserve method, options): one line per variant; "none" first (it is the baseline).
 SPECSERVE_VARIANTS: list[tuple[str, dict[str, Any]]] = [

@@ -53,6 +53,8 @@ class SpeculationOverride(BaseModel):
                                              "shape, k or tree alone means fixed")
     pipeline: int | None = Field(None, ge=0, le=MAX_PIPELINE, description="greedy draft-pool chains: verifies at "
                                  "once on one streamed draft (0: rounds take turns)")
+    solo_k: int | None = Field(None, ge=0, le=MAX_K, description="adaptive chains: the longest chain while "
+                               "the request is alone in the rounds (at least k; 0: k)")
 
     def apply_to(self, spec: Speculation) -> Speculation:
         """The deployment's speculation with this request's settings; checks the ranges."""
@@ -60,7 +62,7 @@ class SpeculationOverride(BaseModel):
                                tree=self.tree.apply_to(spec.tree) if self.tree is not None else None,
                                acceptance=self.acceptance,
                                typical=self.typical.model_dump(exclude_none=True) if self.typical else None,
-                               policy=self.policy, pipeline=self.pipeline)
+                               policy=self.policy, pipeline=self.pipeline, solo_k=self.solo_k)
 
 
 class StreamOptions(BaseModel):

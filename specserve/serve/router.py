@@ -396,7 +396,7 @@ class Router(GrpcApi):
                 catch_up = state.draft_unseen
                 measured_level = self.modes.measures(self.in_rounds)
                 decision = state.plan_round(self.policy, self.load, measured_off=mode == "off",
-                                            measured_level=measured_level)
+                                            measured_level=measured_level, alone=self.in_rounds == 1)
                 # the draft pool catches up meanwhile: this round runs target-only
                 peak_measured = self.modes.measures(peak)
                 if state.draft_sync_due(others_prefilling=self.prefills.active > 0, measured_level=measured_level,
