@@ -64,7 +64,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .protocol import DRAFT_POOL_PROPOSERS, SamplingParams, Speculation
 
     spec = Speculation(proposer=_default_proposer(args), k=args.k, tree=_tree_spec(args)).overridden(
-        method=args.method, proposer=args.proposer, shape=args.shape, acceptance=args.acceptance, policy=args.policy)
+        method=args.method, proposer=args.proposer, shape=args.shape, acceptance=args.acceptance, policy=args.policy,
+        solo_k=args.solo_k)
     if spec.proposer in DRAFT_POOL_PROPOSERS and not args.draft:
         raise SpecserveError(f"proposer {spec.proposer} needs --draft MODEL (or use --proposer none)")
     heads = None
@@ -161,6 +162,9 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--policy", choices=["fixed", "adaptive"], default="fixed",
                    help="fixed: draft k (a tree: its depth) every round (default); adaptive: the load-aware "
                         "policy drafts 0..k per round, whichever its measurements say is fastest")
+    p.add_argument("--solo-k", type=int, default=None,
+                   help="--policy adaptive, a chain: the longest chain while one prompt decodes alone (at least k; "
+                        "default k)")
     defaults = TreeSpec()
     p.add_argument("--tree-budget", type=int, default=defaults.budget,
                    help=f"--shape tree: most draft nodes per round (default {defaults.budget})")

@@ -31,6 +31,9 @@ def test_a_grpc_request_becomes_the_http_body():
         "speculation": {"proposer": "draft", "shape": "tree", "tree": {"budget": 4, "shape": [[0], [1]]}}})
     assert body == expected
     assert completion_body(generate_request("smol", [5, 6])) == CompletionRequest(model="smol", prompt=[5, 6])
+    adaptive = completion_body(generate_request("smol", "Hi", {"k": 4, "policy": "adaptive", "solo_k": 8, "pipeline": 0}))
+    assert adaptive.speculation.model_dump(exclude_none=True) == {"k": 4, "policy": "adaptive", "solo_k": 8,
+                                                                   "pipeline": 0}
     chat = chat_body(chat_request("smol", [{"role": "user", "content": "Hi"}], top_k=3))
     assert chat.template_messages() == [{"role": "user", "content": "Hi"}] and chat.top_k == 3
 

@@ -35,7 +35,7 @@ from specserve.serve.limits import check_request_bytes
 from specserve.serve.openai_api import ChatCompletionRequest, CompletionRequest, new_id
 
 _SAMPLING_OPTIONAL = ("temperature", "top_p", "top_k", "max_tokens", "seed")
-_SPECULATION_OPTIONAL = ("proposer", "shape", "k", "acceptance", "policy")
+_SPECULATION_OPTIONAL = ("proposer", "shape", "k", "acceptance", "policy", "pipeline", "solo_k")
 _TREE_OPTIONAL = ("budget", "depth", "width", "min_score")
 
 
