@@ -339,8 +339,8 @@ class Speculation:
         request sharing the target's passes makes every other one wait for its draft and verify,
         which its own goodput does not count (a cap of 8 everywhere: 1.06x always on's k = 4 at
         1 stream on code, 0.70x at 8 streams; docs/bench/adaptive-cap8-avx2)."""
-        if alone and self.shape == "chain" and self.proposer not in TARGET_ONLY_PROPOSERS:
-            return max(self.k, self.solo_k)
+        if alone and self.shape == "chain" and self.depth:
+            return max(self.depth, self.solo_k)
         return self.depth
 
     @property
@@ -369,7 +369,7 @@ class Speculation:
         if self.proposer in TARGET_ONLY_PROPOSERS:
             return {"none": "none", "native": "native (the target engine's own speculative decoding)"}[self.proposer]
         shape = f"chain k={self.k}" if self.shape == "chain" else f"tree {self.tree}"
-        solo = f", up to {self.solo_k} alone" if self.adaptive and self.shape == "chain" and self.solo_k > self.k else ""
+        solo = f", up to {self.solo_k} alone" if self.adaptive and self.cap(alone=True) > self.depth else ""
         policy = f", adaptive (load-aware{solo})" if self.adaptive else ""
         return f"{self.proposer}, {shape}{policy}, {'typical acceptance (LOSSY)' if self.lossy else 'exact'}"
 

@@ -23,6 +23,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Checked(_Strict):
+    """Settings whose `spec()` builds a protocol object that checks them together (a tree's
+    shape against its budget, solo_k against k and the policy): checked when the app is built,
+    not in a replica."""
+
+    @model_validator(mode="after")
+    def _valid_spec(self):
+        try:
+            self.spec()
+        except SpecserveError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def spec(self):
+        raise NotImplementedError
+
+
 class _DeploymentArgs(_Strict):
     """Ray Serve deployment options shared by pools and the router, passed through."""
 
@@ -145,7 +162,7 @@ class PoolArgs(_DeploymentArgs):
         return self
 
 
-class TreeArgs(_Strict):
+class TreeArgs(_Checked):
     """Method `tree`: how the draft grows its token tree each round (see TreeSpec)."""
 
     budget: int = Field(TreeSpec.budget, ge=1, le=MAX_TREE_NODES, description="most draft nodes per round")
@@ -157,14 +174,6 @@ class TreeArgs(_Strict):
                                                 "[[0], [1], [0, 0]], or a known shape's name (mc_sim_7b_63: "
                                                 "Medusa's and Hydra's 63-node default); budget and depth then "
                                                 "follow from it")
-
-    @model_validator(mode="after")
-    def _valid_spec(self):
-        try:
-            self.spec()
-        except SpecserveError as exc:
-            raise ValueError(str(exc)) from None
-        return self
 
     def spec(self) -> TreeSpec:
         return TreeSpec(**self.model_dump())  # TreeSpec turns the shape's lists into tuples
@@ -191,7 +200,7 @@ class NgramArgs(_Strict):
         return self
 
 
-class SpeculationArgs(_Strict):
+class SpeculationArgs(_Checked):
     """Deployment-wide defaults; a request may override any of proposer, shape, k, tree and
     acceptance (`"speculation"` in the request body)."""
 
@@ -362,10 +371,6 @@ class AppArgs(_Strict):
         if self.speculation.pipeline and self.speculation.policy != "fixed":
             raise ValueError("speculation.pipeline streams k-token chunks every round: set speculation.policy: fixed "
                              "(the adaptive policy picks k round by round)")
-        try:  # the settings together (solo_k against k and the policy), at build, not in a replica
-            self.speculation.spec()
-        except SpecserveError as exc:
-            raise ValueError(f"speculation: {exc}") from None
         on_cuda = self.draft is not None and self.target.on_cuda and self.draft.on_cuda
         if self.speculation.draft_ahead is None:
             self.speculation.draft_ahead = on_cuda
