@@ -1373,6 +1373,39 @@ def test_the_modes_are_compared_in_adjacent_epochs_as_a_ratio():
     assert modes.levels[level].lead is None and modes.model_lead(modes.levels[level]) == pytest.approx(20 / 16)
 
 
+def test_an_epoch_of_the_model_measured_behind_off_makes_off_measured_at_once():
+    """A lead from pairs moves only when both modes measure. The model leads 1.3x at 8 requests
+    for 160 s, then the workload changes at the same load and the model measures 15 tok/s against
+    off's 20: the model's next epoch shows it behind off's estimate, so off is measured at once,
+    pairs with it, and the level runs off; without that, the old lead ran the model for the whole
+    150 s (until an exploration was due)."""
+    def first_off_after_the_change(contradicted: bool) -> float | None:
+        modes = MeasuredModes(epoch_s=2.0)
+        if not contradicted:
+            modes._contradicts = lambda *args: False
+        epochs = run_modes(modes, [(160, 8, 26, 20), (150, 8, 15, 20)], random.Random(3))
+        return next((e["t"] - 160 for e in epochs if e["t"] >= 160 and e["mode"] == "off"), None)
+
+    assert first_off_after_the_change(True) < 10  # the first model epoch after the change, then off
+    assert first_off_after_the_change(False) is None
+
+    # Off's estimate counts only at about its own load: a wave's tail (6 requests after off's
+    # 8) emits less whatever the mode
+    level = MeasuredModes.level(8)
+    for in_flight, due in ((8, True), (6, False)):
+        modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
+        modes.levels[level] = _ModeGoodput(model=26.0, off=20.0, lead=1.3, pairs=2, off_in_flight=8.0, epochs=6,
+                                           measurements={"model": 4, "off": 2}, warmed=True, seen=0.0,
+                                           next_explore=20, explore_every=10)
+        # the level's epoch of the model, decided by its lead
+        rounds = [modes.begin(0.1 * i, in_flight) for i in range(in_flight)]
+        for r in rounds:
+            modes.end(r, 2, 2 * in_flight / 15.0)  # 15 tok/s
+        after = modes.begin(1.5, in_flight)  # the epoch closed
+        assert rounds[0].mode == "model" and modes.levels[level].off_due == due, in_flight
+        assert after.mode == ("off" if due else "model"), in_flight
+
+
 def test_a_switch_to_the_model_warms_up_until_the_draft_pools_caught_up_then_measures_it():
     """An epoch of the model after epochs off would spend its first seconds on every request's
     draft-pool catch-up (code at 16 streams: 26-356 tokens per request), measuring the switch,
