@@ -1020,7 +1020,7 @@ class MeasuredModes:
             measured.clock += now - measured.seen
         measured.seen = now
         if self._started is None or level != self._level:  # the load moved: the epoch measures nothing
-            self._start(now, level, in_flight, *self._next(level, in_flight, prefilling), busy=prefilling or catching_up)
+            self._start(now, level, in_flight, *self._next(level, in_flight, prefilling, catching_up), busy=prefilling or catching_up)
             return
         elapsed = now - self._started
         if self.warming_up:
@@ -1047,7 +1047,7 @@ class MeasuredModes:
             return
         if not measured and self._exploring:  # given up: wait as after one that left the decision as it was
             self._back_off(self._measured(level), overturned=False)
-        self._start(now, level, in_flight, *self._next(level, in_flight, prefilling), busy=prefilling or catching_up)
+        self._start(now, level, in_flight, *self._next(level, in_flight, prefilling, catching_up), busy=prefilling or catching_up)
 
     def _warmed_up(self, level: int, warm_up_s: float) -> None:
         """The model warmed up for `warm_up_s`. If it was a switch from off, the level's
@@ -1211,7 +1211,7 @@ class MeasuredModes:
         lead = self.model_lead(measured)
         return "model" if lead is not None and lead > 1 + self.model_margin else "off"
 
-    def _next(self, level: int, in_flight: int, prefilling: bool) -> tuple[str, bool]:
+    def _next(self, level: int, in_flight: int, prefilling: bool, catching_up: bool = False) -> tuple[str, bool]:
         """The mode of the next epoch at `level`, and whether it explores (due by the epochs
         since the last, and by `explore_budget`). The level's first measurement of the model
         keeps to the budget by what the switch would cost now (`switch_cost_s`), so a wave of
@@ -1219,16 +1219,23 @@ class MeasuredModes:
         also waits until it pays back (`_pays_back`, "Paying back"). While prompts prefill, an
         exploration does not begin: an epoch of the model would make the draft pools catch up
         on requests that ran off exactly while the target prefills; the better mode so far
-        runs."""
+        runs. While the model runs and a draft pool's catch-up runs or is owed (`catching_up`: a
+        wave's prompts, left to the requests' second rounds), off is not measured (its first
+        measurement, an exploration) until they caught up: off would leave them owed, and the
+        switch back would have to pay for them all (see "Paying back"). At code 16 streams a
+        second wave measured off first at its start, 16 prompts owed (17.6 s predicted against
+        ~17 s the model's 1.31x lead would save), and the wave ran off (0.89x always on)."""
         measured = self._measured(level)
         bet = self.model_margin / (1 + self.model_margin)  # the least share of time the model must save to run
         if measured.model is None:  # its first measurement, once the switch fits the budget and pays back
             return ("model" if self._switch_fits(measured) and self._pays_back(measured, in_flight, bet) else "off"), False
         off_loses = self._off_clearly_loses(measured)
-        if measured.off is None and not off_loses:  # a switch to off costs nothing: at once
+        # off's measurements leave nothing owed: at once, but not while catch-ups are owed or run
+        measure_off = not off_loses and not (catching_up and self.current == "model")
+        if measured.off is None and measure_off:
             return "off", False
         best = self._best(measured)
-        if best == "model" and measured.off_due and not prefilling and not off_loses:
+        if best == "model" and measured.off_due and not prefilling and measure_off:
             return "off", True  # its own epoch measured the model behind off: measure off now
         other = "off" if best == "model" else "model"
         # an exploration of the model keeps to the budget by the last switch's measured warm-up
@@ -1237,7 +1244,7 @@ class MeasuredModes:
         if (not prefilling and measured.epochs >= measured.next_explore
                 and measured.clock >= measured.explore_after
                 and (self._switch_fits(measured) and self._pays_back(measured, in_flight, bet) if other == "model"
-                     else not off_loses)):
+                     else measure_off)):
             return other, True
         if best == "model" and not self._pays_back(measured, in_flight):
             return "off", False  # the estimates favour the model, but not by enough to pay for the switch

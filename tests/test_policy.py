@@ -1406,6 +1406,31 @@ def test_an_epoch_of_the_model_measured_behind_off_makes_off_measured_at_once():
         assert after.mode == ("off" if due else "model"), in_flight
 
 
+def test_off_is_not_measured_while_the_model_s_requests_owe_their_draft_pools_catch_ups():
+    """A second wave at a level that measured only the model: its prompts are left to the
+    requests' second rounds, so an epoch of off at the wave's start would leave every prompt
+    owed, and the switch back would have to pay for them all. Off is measured once the draft
+    pools caught up (then the switch back owes only what off emitted)."""
+    level = MeasuredModes.level(8)
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
+    modes.levels[level] = _ModeGoodput(model=18.0, epochs=1, measurements={"model": 1}, warmed=True, seen=0.0)
+    now, seen = 0.0, []
+    for catching_up in (True, True, False):  # each an epoch's worth of rounds
+        rounds = [modes.begin(now + 0.2 * i, 8, catching_up=catching_up) for i in range(8)]
+        for r in rounds:
+            modes.end(r, 3, 8 * 3 / 18.0)
+        seen.append(rounds[0].mode)
+        now += 2.0
+    assert seen == ["model", "model", "off"]  # the first epoch once they caught up measures off
+
+    # where off is already the decision, it runs whatever is owed: it leaves catch-ups for later
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
+    modes.levels[level] = _ModeGoodput(model=18.0, off=17.0, lead=1.06, pairs=1, epochs=2, warmed=True, seen=0.0,
+                                       measurements={"model": 1, "off": 1}, next_explore=20)
+    rounds = [modes.begin(0.2 * i, 8, catching_up=True) for i in range(8)]
+    assert rounds[0].mode == "off"
+
+
 def test_a_switch_to_the_model_warms_up_until_the_draft_pools_caught_up_then_measures_it():
     """An epoch of the model after epochs off would spend its first seconds on every request's
     draft-pool catch-up (code at 16 streams: 26-356 tokens per request), measuring the switch,
