@@ -30,7 +30,7 @@ def serve_config(target: str, draft: str | None, dtype: str, port: int, heads: s
 
     def pool(model: str, cpus: float) -> dict:
         return {"model": model, "dtype": dtype, "torch_threads": threads, "num_replicas": 1,
-                "ray_actor_options": {"num_cpus": cpus}, "max_batch_size": 8}
+                "ray_actor_options": {"num_cpus": cpus}, "max_batch_size": 16}
 
     args = {"model_name": "bench", "target": pool(target, 1.0),
             "speculation": {"method": "draft" if draft else "none", "k": K, "draft_min_confidence": 0.5},
