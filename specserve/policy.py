@@ -1230,7 +1230,8 @@ class MeasuredModes:
         if measured.model is None:  # its first measurement, once the switch fits the budget and pays back
             return ("model" if self._switch_fits(measured) and self._pays_back(measured, in_flight, bet) else "off"), False
         off_loses = self._off_clearly_loses(measured)
-        # off's measurements leave nothing owed: at once, but not while catch-ups are owed or run
+        # off is measured at once (switching to it costs nothing), but not while the model's
+        # requests owe catch-ups: off would leave them owed, and the switch back would pay them all
         measure_off = not off_loses and not (catching_up and self.current == "model")
         if measured.off is None and measure_off:
             return "off", False
