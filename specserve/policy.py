@@ -1211,7 +1211,7 @@ class MeasuredModes:
         lead = self.model_lead(measured)
         return "model" if lead is not None and lead > 1 + self.model_margin else "off"
 
-    def _next(self, level: int, in_flight: int, prefilling: bool, catching_up: bool = False) -> tuple[str, bool]:
+    def _next(self, level: int, in_flight: int, prefilling: bool, catching_up: bool) -> tuple[str, bool]:
         """The mode of the next epoch at `level`, and whether it explores (due by the epochs
         since the last, and by `explore_budget`). The level's first measurement of the model
         keeps to the budget by what the switch would cost now (`switch_cost_s`), so a wave of
