@@ -137,6 +137,51 @@ class StepTimeModel:
 
 
 @dataclass
+class DecodeCurve:
+    """Seconds of a decode pass (one new token a call) by calls in it: the passes the target
+    pool timed at startup (EngineInfo.decode_pass_s), interpolated, times the drift since (an
+    EMA of measured over timed, in the decode passes of off's rounds). What off's rounds cost,
+    where a line fitted on a speculating router's passes cannot say: its verifies have several
+    rows a call and share the cores with the draft pool, and that line put a 16-call decode
+    pass at 1.0-1.4 s where it took 0.75-0.8 s (code, 16 streams).
+
+        >>> curve = DecodeCurve(((1, 0.30), (2, 0.32), (4, 0.36), (8, 0.44), (16, 0.60)))
+        >>> round(curve.predict(12), 3), round(curve.predict(24), 3)  # between timed passes; past the largest
+        (0.52, 0.76)
+        >>> curve.observe(8, 0.55)  # passes run 25% slower now (a noisy neighbour)
+        >>> round(curve.drift, 2)
+        1.05
+    """
+
+    timed: tuple[tuple[int, float], ...]  # (calls, seconds), ascending in calls
+    drift: float = 1.0
+    smoothing: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not self.timed or any(n1 <= n0 for (n0, _), (n1, _) in zip(self.timed, self.timed[1:])):
+            raise ValueError(f"decode pass times must be (calls, seconds) ascending in calls, not {self.timed!r}")
+
+    def timed_s(self, calls: float) -> float:
+        """The startup time of a pass of `calls`: interpolated between timed passes, and past the
+        largest along the last two's slope (a pool splits calls beyond its largest pass into
+        more passes, so this errs short: off is then measured rather than ruled out)."""
+        points = self.timed
+        if calls <= points[0][0] or len(points) == 1:
+            return points[0][1] if calls <= points[0][0] else points[0][1] * calls / points[0][0]
+        for (n0, s0), (n1, s1) in zip(points, points[1:]):
+            if calls <= n1:
+                break
+        return s0 + (s1 - s0) * (calls - n0) / (n1 - n0)
+
+    def observe(self, calls: int, seconds: float) -> None:
+        if calls > 0 and seconds > 0 and math.isfinite(seconds):
+            self.drift += self.smoothing * (seconds / self.timed_s(calls) - self.drift)
+
+    def predict(self, calls: float) -> float:
+        return self.timed_s(calls) * self.drift
+
+
+@dataclass
 class LoadModel:
     """What the pools' load signals say: step-time models and the target's batch (EMA); and
     the caller's own load, the requests it has in rounds."""
@@ -158,10 +203,19 @@ class LoadModel:
     overhead_relax: float = 0.03
     overhead_stale_rounds: int = 16
     rounds_without_draft_call: int = 0
+    # Off's own: the target's decode passes as timed at startup (None: not timed, e.g. vLLM; the
+    # fitted step time then stands in), and the overhead of rounds that waited on no other
+    # request's verify (None until one ran; see off_goodput).
+    decode: DecodeCurve | None = None
+    off_overhead_s: float | None = None
 
-    def observe_target(self, batch_size: int, batch_tokens: int, step_s: float) -> None:
+    def observe_target(self, batch_size: int, batch_tokens: float, step_s: float, *, off: bool = False) -> None:
+        """A target pass's load signal; `off`: the pass served a round of off (a decode pass
+        there, one token a call, tells the decode curve's drift)."""
         self.target.observe(batch_tokens, step_s)
         self.batch_ema += self.smoothing * (max(1, batch_size) - self.batch_ema)
+        if off and self.decode is not None and 0 < batch_tokens <= batch_size:
+            self.decode.observe(batch_size, step_s)
 
     def observe_draft(self, batch_tokens: int, step_s: float) -> None:
         self.draft.observe(batch_tokens, step_s)
@@ -174,8 +228,14 @@ class LoadModel:
         catch-up at 2.3 s, where the catch-ups took ~45 s."""
         return self.target.predict(tokens) if tokens > 0 else 0.0
 
-    def observe_overhead(self, seconds: float, *, draft_call: bool = False) -> None:
+    def observe_overhead(self, seconds: float, *, draft_call: bool = False, off: bool = False) -> None:
+        """A round's overhead (outside the passes it spanned); `off`: a round without a draft
+        that waited on no other request's verify (a round of off, or a request alone), whose
+        overhead is off's."""
         seconds = max(0.0, seconds)
+        if off and not draft_call:
+            self.off_overhead_s = seconds if self.off_overhead_s is None else \
+                self.off_overhead_s + self.smoothing * (seconds - self.off_overhead_s)
         if not draft_call:
             self.overhead_s += self.smoothing * (seconds - self.overhead_s)
             self.rounds_without_draft_call += 1
@@ -201,14 +261,23 @@ class LoadModel:
     def off_goodput(self) -> float | None:
         """Tokens per second every request in flight would emit together with speculation off:
         one each per target pass, all of them in that pass (a round of every request is then
-        one short pass, which a continuous batcher fills; the pass time is the target's fitted
-        step time). None before the target's first reply. Off is the mode whose costs the model
-        sees whole (no draft pool, no catch-ups). It errs low while requests speculate (the draft
-        pool shares the cores and adds to the round overhead): over the model's rounds at code 4
-        and 8 streams its median was 3.5 and 5.2 tok/s where epochs of off measured 3.9 and 6.2."""
+        one decode pass, which a continuous batcher fills), plus off's round overhead. Off is the
+        mode whose costs the model sees whole (no draft pool, no catch-ups).
+
+        The pass: the decode curve where the target pool timed one (`decode`), else the target's
+        fitted step time, which errs low while requests speculate (fitted on verifies of several
+        rows a call, the draft pool sharing the cores): over the model's rounds at code 8 and 16
+        streams it put off at 8.8 and 11 tok/s where off's epochs measured 14-16 and ~20. The
+        overhead: off's own (`off_overhead_s`); until one is measured, none where the curve is
+        known (a round trip is ~0.03 s against a CPU pass's 0.4-0.8 s; the model's target-only
+        rounds, which wait on other requests' verifies, measured 0.14-0.38 s), else the
+        target-only rounds'. None before the target's first reply or timed passes."""
+        if self.decode is not None:
+            return self.in_flight / ((self.off_overhead_s or 0.0) + self.decode.predict(self.in_flight))
         if not self.target.observed:
             return None
-        return self.in_flight / (self.round_overhead(draft_call=False) + self.target.predict(self.in_flight))
+        overhead = self.off_overhead_s if self.off_overhead_s is not None else self.round_overhead(draft_call=False)
+        return self.in_flight / (overhead + self.target.predict(self.in_flight))
 
 
 @dataclass
@@ -884,11 +953,13 @@ class MeasuredModes:
     max_warm_up_epochs: float = 10.0
     explore_budget: float = 0.05  # the share of a level's time its switches to the model may take
     # Off is not measured where the model measured above the predicted off (LoadModel.off_goodput)
-    # by more than this. The prediction, fitted while the draft pool shares the cores, ran up to
-    # 30% low (chat 8 streams: off measured 0.92-1.30x it), and the model must lead the true off
-    # by model_margin: 1.2 x 1.3 = 1.56, so 60%. At 40%, chat 8's first look at the model (1.45x
-    # the prediction) left off unmeasured for a whole pass: 0.90x always off.
-    off_margin: float = 0.6
+    # by more than this. The prediction, from decode passes the target timed alone at startup,
+    # errs high until off's own passes set its drift (in service, with the router, the proxy and
+    # Ray's own processes on the same 2 cores, decode passes of 8 and 16 calls took 1.15-1.3x
+    # the timed ones), and little low; the model must lead the true off by model_margin: 1.2 x
+    # ~1.1, so 30%. (At 60%, set for a prediction fitted on the model's own passes that ran up to
+    # 45% low, code 8 and 16 streams never measured off.)
+    off_margin: float = 0.3
     # two adjacent epochs of the two modes pair (see "Pairing") where the second's window opened
     # within this of the first's close (a switch to the model warms up first: 5-12 s here, at
     # most max_warm_up_epochs x epoch_s) and their mean requests in flight differ by at most this share

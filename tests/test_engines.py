@@ -130,6 +130,14 @@ def test_the_torch_engine_reports_what_it_can_do():
     assert info.max_context == model.config.max_position_embeddings
     result = asyncio.run(engine.verify(VerifyRequest("r", [1, 2, 3], SamplingParams(), 0)))
     assert result.tokens == [int(model(torch.tensor([[1, 2, 3]])).logits[0, -1].argmax())]
+    # decode passes of 1 to max_batch_size calls were timed at startup, and left nothing behind
+    assert [calls for calls, _ in info.decode_pass_s] == [1, 2, 4, 8, 16]
+    assert all(seconds > 0 for _, seconds in info.decode_pass_s)
+    assert engine.cached_requests == 1 and engine.batches == 1  # request r's
+    untimed = TorchEngine(TorchWorker(model), PoolArgs(model="tiny", time_decode_passes=False).model_dump(), "target")
+    assert untimed.info().decode_pass_s == ()
+    draft = TorchEngine(TorchWorker(model), PoolArgs(model="tiny").model_dump(), "draft")
+    assert draft.info().decode_pass_s == ()  # draft pools only propose
 
 
 def test_native_mode_needs_a_vllm_target_that_speculates_and_takes_every_request():

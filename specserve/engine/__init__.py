@@ -54,6 +54,10 @@ class EngineInfo:
     sampled_top_k_max: int | None = None
     heads_method: str | None = None  # co-located heads this engine holds (medusa, hydra)
     native: str | None = None  # the engine speculates itself (vLLM's method: ngram, draft_model, eagle, ...)
+    # Seconds of a decode pass (one new token per call) by calls in the pass, timed when the pool
+    # started ((calls, seconds), ascending); empty where not timed. What a round of every request
+    # costs with speculation off: the router predicts off from it (LoadModel.off_goodput).
+    decode_pass_s: tuple[tuple[int, float], ...] = ()
 
 
 class Engine(Protocol):

@@ -10,6 +10,7 @@ other requests' rounds (plan_prefill_chunks). Ray-free: pools wrap it, tests dri
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -21,11 +22,28 @@ from specserve.engine import EngineInfo, chunked_propose_stream, vocabulary_fing
 from specserve.protocol import PoolLoad, Proposal, ProposeRequest, SpecserveError, VerifyRequest, VerifyResult
 from specserve.serve.batching import RUN_AGAIN, ContinuousBatcher
 
+logger = logging.getLogger("ray.serve")
+
 PROBE_ID = "__specserve_health_probe__"
 RELEASE_MEMORY_S = 300.0  # how long a released request id is remembered
 IDLE_AFTER_S = 2.0  # a replica without a forward pass for this long reports no load to the autoscaler
 DRAFT_SHARE_EMA = 0.1  # weight of a pass in the share of calls that carry drafts
 ALWAYS_READY_TOKENS = 32  # a call with this few uncached tokens (a decode round) never waits for prefill
+TIMING_ID = "__specserve_pass_timing_{}__"
+TIMING_CONTEXT = 4  # cached tokens of each timed call: on these models a decode pass's cost is its weights'
+TIMING_MAX_CALLS = 64
+
+
+def timed_call_counts(max_batch_size: int) -> list[int]:
+    """Calls per decode pass timed at startup: powers of two up to the pool's largest pass
+    (at most TIMING_MAX_CALLS), and that pass itself.
+
+    >>> timed_call_counts(16), timed_call_counts(12), timed_call_counts(1)
+    ([1, 2, 4, 8, 16], [1, 2, 4, 8, 12], [1])
+    """
+    largest = min(max_batch_size, TIMING_MAX_CALLS)
+    counts = [1 << i for i in range(largest.bit_length()) if 1 << i < largest]
+    return counts + [largest]
 
 
 def plan_prefill_chunks(uncached: list[int], budget: int) -> list[int | None]:
@@ -113,6 +131,9 @@ class TorchEngine:
         # request id -> release time. A call still queued or in flight when its request was
         # released must not leave a cache behind: batches drop these entries after running.
         self._released: OrderedDict[str, float] = OrderedDict()
+        self._decode_pass_s: tuple[tuple[int, float], ...] = ()
+        if self.verifier is not None and pool_args.get("time_decode_passes"):
+            self._decode_pass_s = self._time_decode_passes(timed_call_counts(pool_args["max_batch_size"]))
         self.batcher = ContinuousBatcher(lambda requests: self._run(requests),
                                          max_batch_size=pool_args["max_batch_size"],
                                          wait_s=pool_args["batch_wait_timeout_s"],
@@ -140,8 +161,43 @@ class TorchEngine:
                 engine="torch", max_context=self.worker.config.max_position_embeddings,
                 eos_token_ids=tuple(sorted(eos_ids(self.worker.model, None))),
                 vocabulary=self._vocabulary(), trees=True, hidden_states=True, proposes=True,
-                sampled_top_k_max=None, heads_method=getattr(heads, "method", None))
+                sampled_top_k_max=None, heads_method=getattr(heads, "method", None),
+                decode_pass_s=self._decode_pass_s)
         return self._info
+
+    def _time_decode_passes(self, counts: list[int], repeats: int = 2) -> tuple[tuple[int, float], ...]:
+        """Seconds of a greedy decode pass of n calls through the verifier, for each n of
+        `counts`: the fastest of `repeats` rounds over the counts, after a round that warms each
+        shape, made non-decreasing in n (more calls never make a pass shorter: a dip is noise).
+        Timed before the pool takes calls, so the passes run alone; ~5 s for the float32 1.5B
+        target on a 2-core CPU. A speculating router sees only its verify passes (several rows a
+        call, the draft pool sharing the cores), and a line fitted on those put a 16-call decode
+        pass at 1.0-1.4 s where it took 0.75-0.8 s (code, 16 streams)."""
+        from specserve.protocol import SamplingParams
+
+        vocab, params = self.worker.vocab_size, SamplingParams()
+        ids = [[(31 * i + j) % vocab for j in range(TIMING_CONTEXT)] for i in range(max(counts))]
+        seconds: dict[int, list[float]] = {n: [] for n in counts}
+        with self._lock:
+            try:
+                self._batch_fn([VerifyRequest(TIMING_ID.format(i), ids[i], params, 0) for i in range(len(ids))])
+                for repeat in range(repeats + 1):
+                    for n in counts:
+                        for i in range(n):
+                            ids[i].append((ids[i][-1] * 7 + 1) % vocab)
+                        started = time.perf_counter()
+                        self._batch_fn([VerifyRequest(TIMING_ID.format(i), ids[i], params, 0) for i in range(n)])
+                        if repeat:
+                            seconds[n].append(time.perf_counter() - started)
+            finally:
+                for i in range(len(ids)):
+                    self._forget(TIMING_ID.format(i))
+        timed, floor = [], 0.0
+        for n in counts:
+            floor = max(floor, min(seconds[n]))
+            timed.append((n, floor))
+        logger.info("decode passes timed: %s", ", ".join(f"{n} calls {1e3 * s:.0f} ms" for n, s in timed))
+        return tuple(timed)
 
     def _vocabulary(self) -> str:
         try:

@@ -110,6 +110,11 @@ class PoolArgs(_DeploymentArgs):
     prefill_chunk_tokens: int = Field(
         256, ge=16, description="most prompt tokens one pass computes beyond decode rounds: a longer prompt "
         "is cached chunk by chunk, riding along with the other requests' rounds instead of stalling them")
+    time_decode_passes: bool = Field(
+        True, description="target pools on the torch engine: time decode passes of 1 to max_batch_size calls "
+        "when a replica starts (about 5 s for the float32 1.5B target on a 2-core CPU), so the router predicts "
+        "what turning speculation off would decode at from them (LoadModel.off_goodput); false skips it, and "
+        "the prediction extrapolates the step times the pool reports while it runs")
     # Continuous batching: calls that arrive while a forward pass runs join the next one.
     max_batch_size: int = Field(16, ge=1, le=1024)
     batch_wait_timeout_s: float = Field(0.002, ge=0, le=1)

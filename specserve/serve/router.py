@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.engine import adapt_speculation, sampling_refusal
 from specserve.pipeline import StreamedDraft
-from specserve.policy import LoadModel, MeasuredModes, PrefillWatch, RecentPeak, SpeculationPolicy, draft_catches_up
+from specserve.policy import DecodeCurve, LoadModel, MeasuredModes, PrefillWatch, RecentPeak, SpeculationPolicy, draft_catches_up
 from specserve.protocol import (
     DETERMINISTIC, DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, TokenTree,
     VerifyRequest, VerifyResult,
@@ -215,6 +215,8 @@ class Router(GrpcApi):
                                                         self.target.vocabulary_signature.remote())
                     if theirs != ours:
                         raise SpecserveError("the draft pool's vocabulary differs from the target pool's")
+                if info["engine"].decode_pass_s:  # what off's rounds cost (LoadModel.off_goodput)
+                    self.load.decode = DecodeCurve(info["engine"].decode_pass_s)
                 self._info = info
         return self._info
 
@@ -434,7 +436,8 @@ class Router(GrpcApi):
                 # the other requests' passes it waited for), in rounds no prompt prefill overlapped
                 overhead = wall - compute * self.load.passes(self.load.batch_ema)
                 clear = self.prefills.clear(round_mark)
-                self._observe_load(result, proposal, draft_call, overhead if clear else None)
+                self._observe_load(result, proposal, draft_call, overhead if clear else None,
+                                   off=mode == "off" and ticket is not None, alone=self.in_rounds == 1)
                 prefill = False
                 if self.trace is not None:
                     self.trace.write(trace_line(state, decision, mode=mode, in_flight=self.in_rounds, load=self.load,
@@ -556,17 +559,19 @@ class Router(GrpcApi):
         return emitted
 
     def _observe_load(self, result: VerifyResult, proposal: Proposal | None, draft_call: bool,
-                      overhead_s: float | None) -> None:
+                      overhead_s: float | None, *, off: bool, alone: bool) -> None:
         """The pools' load signals, and the round's wall time outside the passes it spanned
-        (None: not a round's overhead, e.g. a prompt's prefill queued behind others')."""
+        (None: not a round's overhead, e.g. a prompt's prefill queued behind others'). `off`: a
+        round of the policy's off epochs; `alone`: the only request in rounds (what off's round
+        costs is measured in those: LoadModel.off_goodput)."""
         if result.load is not None:
-            self.load.observe_target(result.load.batch_size, result.load.batch_tokens, result.load.step_s)
+            self.load.observe_target(result.load.batch_size, result.load.batch_tokens, result.load.step_s, off=off)
             self.metrics.pool_load("target", result.load)
         if proposal is not None and proposal.load is not None:
             self.load.observe_draft(proposal.load.batch_tokens, proposal.load.step_s)
             self.metrics.pool_load("draft", proposal.load)
         if overhead_s is not None:
-            self.load.observe_overhead(overhead_s, draft_call=draft_call)
+            self.load.observe_overhead(overhead_s, draft_call=draft_call, off=off or alone)
 
     # ---- the transport-agnostic core: start a request, then stream its deltas -------------
 
