@@ -148,14 +148,16 @@ class DecodeCurve:
         >>> curve = DecodeCurve(((1, 0.30), (2, 0.32), (4, 0.36), (8, 0.44), (16, 0.60)))
         >>> round(curve.predict(12), 3), round(curve.predict(24), 3)  # between timed passes; past the largest
         (0.52, 0.76)
-        >>> curve.observe(8, 0.55)  # passes run 25% slower now (a noisy neighbour)
-        >>> round(curve.drift, 2)
-        1.05
+        >>> for _ in range(8):  # a pass of 8 calls, each request reporting it, 25% slower than timed
+        ...     curve.observe(8, 0.55)
+        >>> round(curve.drift, 3)
+        1.024
     """
 
     timed: tuple[tuple[int, float], ...]  # (calls, seconds), ascending in calls
     drift: float = 1.0
-    smoothing: float = 0.2
+    # a pass's weight in the drift: ~the last 10 passes (a pass's time varies by ±10% here)
+    smoothing: float = 0.1
 
     def __post_init__(self) -> None:
         if not self.timed or any(n1 <= n0 for (n0, _), (n1, _) in zip(self.timed, self.timed[1:])):
@@ -174,8 +176,10 @@ class DecodeCurve:
         return s0 + (s1 - s0) * (calls - n0) / (n1 - n0)
 
     def observe(self, calls: int, seconds: float) -> None:
+        """A decode pass of `calls`, as one of them reports it: every request in the pass
+        reports the same pass, so each report weighs 1/calls of one."""
         if calls > 0 and seconds > 0 and math.isfinite(seconds):
-            self.drift += self.smoothing * (seconds / self.timed_s(calls) - self.drift)
+            self.drift += self.smoothing / calls * (seconds / self.timed_s(calls) - self.drift)
 
     def predict(self, calls: float) -> float:
         return self.timed_s(calls) * self.drift
@@ -1102,7 +1106,7 @@ class MeasuredModes:
                 self._start(now, level, in_flight, "model", self._exploring, self._retries)  # now measure it
             return
         if self._settling:
-            if not self._others_running():  # the window opens now, and the epoch's time with it
+            if not self.settling():  # the window opens now, and the epoch's time with it
                 self._settling, self._window, self._started = False, True, now
             elif elapsed < self.max_epoch_s:
                 return
@@ -1155,7 +1159,7 @@ class MeasuredModes:
         self.warming_up = model and (self._switching or carried or first_look)
         self.epoch += 1
         self._started, self._level, self.current = now, level, mode
-        self._settling = level > 0 and not self.warming_up and self._others_running()
+        self._settling = level > 0 and not self.warming_up and self.settling()
         self._window = level > 0 and not self.warming_up and not self._settling
         self._needed = max(in_flight, self.min_in_flight)
         self._starts = self._open = self._kept = self._tokens = self._tokens_sq = self._in_flight = 0
@@ -1178,8 +1182,9 @@ class MeasuredModes:
         variance = max(0.0, self._tokens_sq / n - mean * mean) * n / (n - 1)
         return math.sqrt(variance / n) <= self.max_token_error * mean
 
-    def _others_running(self) -> bool:
-        """Whether rounds of a mode other than the running one have not ended yet."""
+    def settling(self) -> bool:
+        """Whether a switch is settling: rounds of a mode other than the running one have not
+        ended yet (a round of off then waits on the model's verifies: its time is not off's)."""
         return any(n > 0 for mode, n in self._running.items() if mode != self.current)
 
     def _close(self, window_s: float, now: float) -> bool:

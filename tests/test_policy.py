@@ -1335,7 +1335,7 @@ def test_off_is_predicted_from_the_decode_passes_the_target_timed_not_from_the_m
     without = LoadModel(in_flight=16, target=load.target, overhead_s=load.overhead_s)
     assert without.off_goodput() < 0.6 * load.off_goodput()  # the fitted line's prediction, far below
     # off's own rounds: their decode passes move the drift, their overhead is off's
-    for _ in range(40):
+    for _ in range(16 * 60):  # 60 passes of 16 calls, each reported by each of its requests
         load.observe_target(16, 16, 0.72, off=True)
         load.observe_target(16, 16 + 256, 3.0, off=True)  # a pass with a prompt's chunk: not a decode pass
         load.observe_overhead(0.03, off=True)

@@ -231,6 +231,18 @@ def test_concurrent_adaptive_requests_through_the_draft_pool_are_exact(client, r
     assert all(spec["policy"] == "adaptive" for _, spec in results)
 
 
+def test_the_target_pool_reports_the_decode_passes_it_timed_at_startup(app):
+    """What a round of every request costs with speculation off, timed before the pool took
+    calls: the router predicts off from it (LoadModel.off_goodput)."""
+    target, _ = app
+    info = target.model_info.remote().result()
+    timed = info["engine"].decode_pass_s
+    calls = [n for n, _ in timed]
+    assert calls[0] == 1 and calls == sorted(calls) and all(b == 2 * a for a, b in zip(calls, calls[1:-1]))
+    assert all(seconds > 0 for _, seconds in timed)
+    assert [s for _, s in timed] == sorted(s for _, s in timed)  # more calls never time shorter
+
+
 def test_pool_batches_concurrent_calls_into_shared_forward_passes(app, reference):
     from specserve.protocol import SamplingParams, TokenTree, VerifyRequest
 

@@ -437,7 +437,8 @@ class Router(GrpcApi):
                 overhead = wall - compute * self.load.passes(self.load.batch_ema)
                 clear = self.prefills.clear(round_mark)
                 self._observe_load(result, proposal, draft_call, overhead if clear else None,
-                                   off=mode == "off" and ticket is not None, alone=self.in_rounds == 1)
+                                   off=mode == "off" and ticket is not None and not self.modes.settling(),
+                                   alone=self.in_rounds == 1)
                 prefill = False
                 if self.trace is not None:
                     self.trace.write(trace_line(state, decision, mode=mode, in_flight=self.in_rounds, load=self.load,
