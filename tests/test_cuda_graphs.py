@@ -251,7 +251,9 @@ def test_the_pool_option_is_cuda_only_and_reaches_the_worker(monkeypatch):
     monkeypatch.setattr("specserve.engine.torch_worker.TorchWorker.__init__",
                         lambda self, model, **kwargs: seen.update(kwargs))
     threads = torch.get_num_threads()  # given, so the test process keeps its thread count
-    pools.default_engine(PoolArgs(model="tiny", cuda_graphs=False, torch_threads=threads).model_dump())
+    # the stub worker runs no passes: none are timed
+    pools.default_engine(PoolArgs(model="tiny", cuda_graphs=False, torch_threads=threads,
+                                  time_decode_passes=False).model_dump())
     assert seen["cuda_graphs"] is False
 
 
