@@ -919,6 +919,14 @@ class MeasuredModes:
     sees whole (`LoadModel.off_goodput`): where the model measured above that prediction by
     more than `off_margin`, off is neither measured nor explored.
 
+    First looks. A level's first look at the model runs at once where the switch fits the
+    budget, except above a level that runs off: the model's lead falls as load rises, so the
+    look is then an exploration, and keeps to `explore_budget` as if it cost the lower
+    level's last warm-up (the level runs off meanwhile, and measures it). At 16 streams, above
+    8 where off won, the first looks ran the model for 45-76 s of a first pass while the draft
+    pool caught up on the wave's prompts: 0.89x always off over that pass, 0.97-0.99x over the
+    next, off throughout.
+
     The measurements behind each rule: docs/bench/adaptive-history.md.
 
         >>> modes = MeasuredModes(epoch_s=1.0, max_token_error=None)  # windows by time and round starts alone
@@ -1125,22 +1133,34 @@ class MeasuredModes:
         self._start(now, level, in_flight, *self._next(level, in_flight, prefilling, catching_up), busy=prefilling or catching_up)
 
     def _warmed_up(self, level: int, warm_up_s: float) -> None:
-        """The model warmed up for `warm_up_s`. If it was a switch from off, the level's
-        explorations wait until that is at most `explore_budget` of the time since; a first
-        look's catch-ups are the new requests' prompts, which always on prefills too."""
+        """The model warmed up for `warm_up_s` (what a look at the model costs at the level: a
+        first look above it counts for it, `_first_look_s`). If it was a switch from off, the
+        level's explorations wait until that is at most `explore_budget` of the time since; a
+        first look's catch-ups are the new requests' prompts, which always on prefills too."""
         measured = self._measured(level)
-        measured.warmed = True
+        measured.warmed, measured.warm_up_s = True, warm_up_s
         if not self._switching:
             return
-        measured.warm_up_s, measured.switched_at = warm_up_s, measured.clock
+        measured.switched_at = measured.clock
         measured.explore_after = max(measured.explore_after, measured.clock + self._budget_wait(warm_up_s))
 
-    def _switch_fits(self, measured: _ModeGoodput) -> bool:
+    def _switch_fits(self, measured: _ModeGoodput, look_s: float = 0.0) -> bool:
         """Whether a switch to the model now keeps to `explore_budget` by its predicted cost
-        (`switch_cost_s`), counted on the level's own clock from its last switch to the model
-        (or its start)."""
+        (`switch_cost_s`, or `look_s` where more), counted on the level's own clock from its
+        last switch to the model (or its start)."""
         last = measured.switched_at if measured.switched_at is not None else 0.0
-        return measured.clock - last >= self._budget_wait(self._switch_cost_s)
+        return measured.clock - last >= self._budget_wait(max(self._switch_cost_s, look_s))
+
+    def _first_look_s(self, level: int) -> float:
+        """What the level's first look at the model counts for in the budget: nothing, unless
+        the nearest level below it where both modes measured runs off. The model's lead falls
+        as load rises, so the look is then an exploration, and counts for that level's last
+        warm-up (see "First looks" in the class docstring)."""
+        for lower in range(level - 1, 0, -1):
+            measured = self.levels.get(lower)
+            if measured is not None and measured.model is not None and measured.off is not None:
+                return measured.warm_up_s if self._best(measured) == "off" else 0.0
+        return 0.0
 
     def _budget_wait(self, switch_s: float) -> float:
         """How long a level runs without switching for a switch of `switch_s` to be
@@ -1304,7 +1324,9 @@ class MeasuredModes:
         measured = self._measured(level)
         bet = self.model_margin / (1 + self.model_margin)  # the least share of time the model must save to run
         if measured.model is None:  # its first measurement, once the switch fits the budget and pays back
-            return ("model" if self._switch_fits(measured) and self._pays_back(measured, in_flight, bet) else "off"), False
+            look_s = self._first_look_s(level)
+            return ("model" if self._switch_fits(measured, look_s) and self._pays_back(measured, in_flight, bet)
+                    else "off"), False
         off_loses = self._off_clearly_loses(measured)
         # off is measured at once (switching to it costs nothing), but not while the model's
         # requests owe catch-ups: off would leave them owed, and the switch back would pay them all

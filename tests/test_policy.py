@@ -371,6 +371,31 @@ def test_measured_goodput_turns_speculation_off_where_it_loses_and_back_on_when_
         modes.levels[MeasuredModes.level(8)].model
 
 
+def test_a_first_look_at_the_model_above_a_level_that_runs_off_keeps_to_the_budget():
+    """The model's lead falls as load rises: above a level that decided off, the first look at
+    the model is an exploration, due once the level ran ~19x the lower level's last warm-up
+    (explore_budget 5%); off runs and is measured meanwhile. Above a level that runs the
+    model, or at a level with none below, the look is at once."""
+    for seed in range(3):
+        modes = MeasuredModes(epoch_s=2.0)
+        epochs = run_modes(modes, [(200, 8, 20, 26), (150, 16, 22, 34)], random.Random(seed))
+        lower = modes.levels[MeasuredModes.level(8)]
+        assert modes._best(lower) == "off" and lower.warm_up_s > 0
+        wait = modes._budget_wait(lower.warm_up_s)
+        sixteen = [e for e in epochs if e["in_flight"] == 16]
+        looks = [e["t"] - 200 for e in sixteen if e["mode"] == "model"]
+        assert looks and min(looks) >= wait > 10, (looks, wait)
+        assert sixteen[0]["mode"] == "off" and modes.levels[MeasuredModes.level(16)].off is not None
+        # above a level where the model won, and at a fresh level, the look is at once
+        for segments in ([(200, 8, 36, 26), (150, 16, 22, 34)], [(150, 16, 22, 34)]):
+            modes = MeasuredModes(epoch_s=2.0)
+            start = sum(seconds for seconds, *_ in segments[:-1])
+            epochs = run_modes(modes, segments, random.Random(seed))
+            assert [e["mode"] for e in epochs if e["in_flight"] == 16][0] == "model", segments
+            assert modes._first_look_s(MeasuredModes.level(16)) == 0.0
+            assert min(e["t"] for e in epochs if e["in_flight"] == 16 and e["mode"] == "model") == start
+
+
 def test_measured_goodput_keeps_the_model_where_speculation_wins_and_does_not_flap():
     """Speculation 30% better at 4 requests, noisy rounds: off runs only to re-measure it."""
     modes = MeasuredModes(epoch_s=2.0)

@@ -38,7 +38,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.engine import adapt_speculation, sampling_refusal
 from specserve.pipeline import StreamedDraft
-from specserve.policy import DecodeCurve, LoadModel, MeasuredModes, PrefillWatch, RecentPeak, SpeculationPolicy, draft_catches_up
+from specserve.policy import (
+    DecodeCurve, LoadModel, MeasuredModes, PrefillWatch, RecentPeak, SpeculationPolicy, draft_catches_up,
+)
 from specserve.protocol import (
     DETERMINISTIC, DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, TokenTree,
     VerifyRequest, VerifyResult,
