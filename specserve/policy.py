@@ -168,8 +168,10 @@ class DecodeCurve:
         largest along the last two's slope (a pool splits calls beyond its largest pass into
         more passes, so this errs short: off is then measured rather than ruled out)."""
         points = self.timed
-        if calls <= points[0][0] or len(points) == 1:
-            return points[0][1] if calls <= points[0][0] else points[0][1] * calls / points[0][0]
+        if calls <= points[0][0]:
+            return points[0][1]
+        if len(points) == 1:
+            return points[0][1] * calls / points[0][0]
         for (n0, s0), (n1, s1) in zip(points, points[1:]):
             if calls <= n1:
                 break

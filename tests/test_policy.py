@@ -1324,8 +1324,8 @@ def test_off_is_not_measured_where_the_model_beats_its_prediction_widely():
     # ... until the model measures close to it (acceptance fell, say): then off is measured
     assert "off" in [four_request_epoch(modes, 60.0 + 5.0 * i, 4, off_predicted=3.5) for i in range(8)]
     assert modes.levels[level].off is not None
-    # the default margin leaves room for the prediction's error (little low: it errs high until
-    # off's own passes set its drift) and the model's margin over off
+    # the default margin leaves room for the prediction's error (0.87-1.09x off's first epochs
+    # before its drift was set) and the model's margin over off
     for ratio, runs_off in ((1.25, True), (1.4, False)):
         modes = MeasuredModes(epoch_s=4.0, max_token_error=None)
         assert four_request_epoch(modes, 0.0, 6, off_predicted=6 / ratio) == "model"

@@ -30,7 +30,9 @@ IDLE_AFTER_S = 2.0  # a replica without a forward pass for this long reports no 
 DRAFT_SHARE_EMA = 0.1  # weight of a pass in the share of calls that carry drafts
 ALWAYS_READY_TOKENS = 32  # a call with this few uncached tokens (a decode round) never waits for prefill
 TIMING_ID = "__specserve_pass_timing_{}__"
-TIMING_CONTEXT = 4  # cached tokens of each timed call: on these models a decode pass's cost is its weights'
+# cached tokens of each timed call: short, so timing takes seconds; at 300 a pass of 8 or 16 calls
+# of the 1.5B target took 12-15% longer, which the router's drift takes up (DecodeCurve)
+TIMING_CONTEXT = 4
 TIMING_MAX_CALLS = 64
 
 
