@@ -285,7 +285,8 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, seq_len=args.seq_len, max_tokens=args.max_tokens,
         generated_tokens=args.generated_tokens, generated_share=args.generated_share, chat_turns=args.chat_turns,
         head_vocab_size=args.head_vocab, own_lm_head=args.own_lm_head, prefix_window=args.prefix_window,
-        seed=args.seed, dtype=args.dtype, teacher_top=args.teacher_top,
+        seed=args.seed, dtype=args.dtype, teacher_top=args.teacher_top, dropout=args.dropout,
+        weight_decay=args.weight_decay,
         device=args.device, threads=args.threads, checkpoint_every=args.checkpoint_every,
         progress=not args.no_progress)
     validate_options(options)  # before any model is loaded
@@ -376,6 +377,11 @@ def add_train_heads_parser(subparsers) -> None:
     p.add_argument("--prefix-window", type=int, default=d.prefix_window,
                    help="hydra: Hydra++ prefix attention over the target's last N hidden states before the "
                         "heads (default 0: off; 16 is a good start)")
+    p.add_argument("--dropout", type=float, default=d.dropout,
+                   help=f"while training, dropout on the hidden state the heads read and on their features "
+                        f"(default {d.dropout}; Hydra++ trains with 0.2)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help=f"AdamW weight decay (default {d.weight_decay}; Hydra++ trains with 0.1)")
     p.add_argument("--teacher-top", type=int, default=d.teacher_top,
                    help=f"distil from the target's {d.teacher_top} most likely tokens per position, computed once "
                         f"before training (default {d.teacher_top}; 0: its whole distribution, every step: slower)")

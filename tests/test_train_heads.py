@@ -151,6 +151,40 @@ def test_resume_gives_the_uninterrupted_weights(target, tmp_path):
     assert rest.report["heldout_accuracy_before"] == whole.report["heldout_accuracy_before"]
 
 
+@pytest.mark.parametrize("method", ["medusa", "hydra"])
+def test_dropout_regularises_training_only_and_resumes_exactly(target, tmp_path, method):
+    """Hydra++'s dropout draws from the run's seeded generator (so a resumed run gives the
+    uninterrupted weights) and changes what is learnt, but never what the heads compute once
+    trained: held-out accuracy and the saved heads read h_t whole."""
+    options = tiny_options(method=method, dropout=0.3, weight_decay=0.1)
+    whole = train(target, tmp_path / "whole", options)
+    first = train(target, tmp_path / "split", options, stop_at=4)
+    rest = train(target, tmp_path / "split", options, resume=True)
+    assert first.step == 4 and rest.step == 8
+    for name, value in head_weights(whole).items():
+        torch.testing.assert_close(head_weights(rest)[name], value, rtol=0, atol=1e-6)
+    plain = head_weights(train(target, tmp_path / "plain", tiny_options(method=method)))
+    assert not all(torch.equal(plain[k], v) for k, v in head_weights(whole).items())
+    heads = whole.heads
+    assert not heads.training
+    h = torch.randn(5, heads.config.hidden_size)
+    path = torch.randint(0, VOCAB, (5, heads.config.num_heads))
+    with torch.no_grad():
+        torch.testing.assert_close(heads.features(h, path), heads.features(h, path), rtol=0, atol=0)
+
+
+def test_a_checkpoint_from_before_an_option_existed_resumes_with_its_default(target, tmp_path):
+    out = tmp_path / "heads"
+    train(target, out, tiny_options(), stop_at=4)
+    state = torch.load(out / CHECKPOINT_FILE, weights_only=True)
+    del state["options"]["dropout"]  # as written before the option was added
+    torch.save(state, out / CHECKPOINT_FILE)
+    assert train(target, out, tiny_options(), resume=True).step == 8
+    train(target, tmp_path / "other", tiny_options(), stop_at=4)
+    with pytest.raises(SpecserveError, match=r"other options \(dropout differ\)"):
+        train(target, tmp_path / "other", tiny_options(dropout=0.2), resume=True)
+
+
 def test_same_seed_same_weights(target, tmp_path):
     a = head_weights(train(target, tmp_path / "a", tiny_options(seed=3)))
     b = head_weights(train(target, tmp_path / "b", tiny_options(seed=3)))
@@ -600,6 +634,9 @@ def test_the_vllm_export_takes_the_lm_head_from_the_target_s_files(tmp_path):
     ({"teacher_top": -1}, "teacher_top must be >= 0"),
     ({"dtype": "int8"}, "unknown dtype"),
     ({"chat_turns": 3}, "chat_turns must be 1 or 2"),
+    ({"dropout": 1.0}, "dropout must be in \\[0, 1\\)"),
+    ({"dropout": -0.1}, "dropout must be in \\[0, 1\\)"),
+    ({"weight_decay": -0.1}, "weight_decay must be >= 0"),
     ({"chat_turns": 2}, "explicit token sequences hold no conversations"),
 ])
 def test_bad_options_are_refused(target, tmp_path, changes, message):
