@@ -26,6 +26,7 @@ from specserve.heads.train import (
     distillation_loss,
     leading_sequences,
     sparse_teacher,
+    student_logits,
     teacher_distributions,
     train_heads,
 )
@@ -154,8 +155,8 @@ def test_resume_gives_the_uninterrupted_weights(target, tmp_path):
 @pytest.mark.parametrize("method", ["medusa", "hydra"])
 def test_dropout_regularises_training_only_and_resumes_exactly(target, tmp_path, method):
     """Hydra++'s dropout draws from the run's seeded generator (so a resumed run gives the
-    uninterrupted weights) and changes what is learnt, but never what the heads compute once
-    trained: held-out accuracy and the saved heads read h_t whole."""
+    uninterrupted weights) and changes what is learnt, but only training draws it: evaluation
+    (student_logits without dropout) reads h_t whole, the same every time."""
     options = tiny_options(method=method, dropout=0.3, weight_decay=0.1)
     whole = train(target, tmp_path / "whole", options)
     first = train(target, tmp_path / "split", options, stop_at=4)
@@ -169,8 +170,11 @@ def test_dropout_regularises_training_only_and_resumes_exactly(target, tmp_path,
     assert not heads.training
     h = torch.randn(5, heads.config.hidden_size)
     path = torch.randint(0, VOCAB, (5, heads.config.num_heads))
+    projection = heads.shared_lm_head
     with torch.no_grad():
-        torch.testing.assert_close(heads.features(h, path), heads.features(h, path), rtol=0, atol=0)
+        evaluated = student_logits(heads, h, path, projection)
+        torch.testing.assert_close(student_logits(heads, h, path, projection), evaluated, rtol=0, atol=0)
+        assert not torch.equal(student_logits(heads, h, path, projection, dropout=0.3), evaluated)
 
 
 def test_a_checkpoint_from_before_an_option_existed_resumes_with_its_default(target, tmp_path):

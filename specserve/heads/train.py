@@ -547,12 +547,14 @@ def sparse_teacher(hidden: torch.Tensor, teacher_weight: torch.Tensor, top: int,
 
 def distillation_loss(heads: TrainableHeads, h: torch.Tensor, path: torch.Tensor,
                       teacher: tuple[torch.Tensor, torch.Tensor | None], teacher_weight: torch.Tensor,
-                      decay: float, context=None, dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      decay: float, context=None, dropout: float = 0.0
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h: [B, H], the rows the heads read; path: [B, K] from `gather_path`; teacher: head i's
     target at every position, `teacher_distributions` of h_{t+i+1} ([K, B, ...]): the target's
     distribution of token t+i+2 restricted to the map (whole, or its top tokens); teacher_weight:
     [head_vocab, H], the lm_head's token_map rows the heads project with when they share it;
-    dropout: see `student_logits`. Returns (weighted loss, per-head loss [K], per-head top-1 agreement with the teacher [K])."""
+    dropout: see `student_logits`. Returns (weighted loss, per-head loss [K], per-head top-1
+    agreement with the teacher [K])."""
     import torch
 
     probs, index = teacher
