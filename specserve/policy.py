@@ -1323,7 +1323,11 @@ class MeasuredModes:
         measurement, an exploration) until they caught up: off would leave them owed, and the
         switch back would have to pay for them all (see "Paying back"). At code 16 streams a
         second wave measured off first at its start, 16 prompts owed (17.6 s predicted against
-        ~17 s the model's 1.31x lead would save), and the wave ran off (0.89x always on)."""
+        ~17 s the model's 1.31x lead would save), and the wave ran off (0.89x always on). That
+        wait is only for a level expected to decide for the model (`_model_expected_to_win`):
+        at chat 8 streams a second wave ran the model 44 s for its catch-ups before off's first
+        measurement there, the model's estimate 1.13x off's prediction, and the pass ran 0.87x
+        always off."""
         measured = self._measured(level)
         bet = self.model_margin / (1 + self.model_margin)  # the least share of time the model must save to run
         if measured.model is None:  # its first measurement, once the switch fits the budget and pays back
@@ -1332,8 +1336,10 @@ class MeasuredModes:
                     else "off"), False
         off_loses = self._off_clearly_loses(measured)
         # off is measured at once (switching to it costs nothing), but not while the model's
-        # requests owe catch-ups: off would leave them owed, and the switch back would pay them all
-        measure_off = not off_loses and not (catching_up and self.current == "model")
+        # requests owe catch-ups where the model is expected to win: off would leave them owed,
+        # and the switch back would pay them all
+        measure_off = not off_loses and not (catching_up and self.current == "model"
+                                             and self._model_expected_to_win(measured))
         if measured.off is None and measure_off:
             return "off", False
         best = self._best(measured)
@@ -1351,6 +1357,16 @@ class MeasuredModes:
         if best == "model" and not self._pays_back(measured, in_flight):
             return "off", False  # the estimates favour the model, but not by enough to pay for the switch
         return best, False
+
+    def _model_expected_to_win(self, measured: _ModeGoodput) -> bool:
+        """Whether the level is expected to decide for the model: by its lead where off measured,
+        else by the model's estimate over off's prediction, with `model_margin` (yes where
+        either is not known). Where it is not, off's measurement need not wait for catch-ups
+        owed: off is the likely decision, and off owes its draft pools nothing."""
+        if measured.off is not None:
+            return self._best(measured) == "model"
+        model = self.model_estimate(measured)
+        return model is None or self._off_predicted is None or model > self._off_predicted * (1 + self.model_margin)
 
     def _pays_back(self, measured: _ModeGoodput, in_flight: int, saving: float | None = None) -> bool:
         """Whether switching the steered requests to the model now saves more than it costs

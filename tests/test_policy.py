@@ -1483,6 +1483,24 @@ def test_off_is_not_measured_while_the_model_s_requests_owe_their_draft_pools_ca
         now += 2.0
     assert seen == ["model", "model", "off"]  # the first epoch once they caught up measures off
 
+    # the wait is for a level expected to decide for the model: by its estimate over off's
+    # prediction with the margin (18 against 14.5 x 1.2 = 17.4: it waits; 16 x 1.2 = 19.2: off
+    # is the likely decision, and is measured at once, catch-ups owed or not)
+    for off_predicted, expected in ((14.5, ["model", "model", "off"]), (16.0, ["off"])):
+        modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
+        modes.levels[level] = _ModeGoodput(model=18.0, epochs=1, measurements={"model": 1}, warmed=True, seen=0.0)
+        modes.current = "model"
+        now, seen = 0.0, []
+        for catching_up in (True, True, False)[:len(expected)]:
+            rounds = [modes.begin(now + 0.2 * i, 8, catching_up=catching_up, off_predicted=off_predicted)
+                      for i in range(8)]
+            for r in rounds:
+                modes.end(r, 3, 8 * 3 / 18.0)
+            seen.append(rounds[0].mode)
+            now += 2.0
+        assert seen == expected, off_predicted
+        assert not modes._off_clearly_loses(modes.levels[level])  # off_margin does not decide it
+
     # where off is already the decision, it runs whatever is owed: it leaves catch-ups for later
     modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
     modes.levels[level] = _ModeGoodput(model=18.0, off=17.0, lead=1.06, pairs=1, epochs=2, warmed=True, seen=0.0,
