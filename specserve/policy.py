@@ -927,7 +927,10 @@ class MeasuredModes:
     level's last warm-up (the level runs off meanwhile, and measures it). At 16 streams, above
     8 where off won, the first looks ran the model for 45-76 s of a first pass while the draft
     pool caught up on the wave's prompts: 0.89x always off over that pass, 0.97-0.99x over the
-    next, off throughout.
+    next, off throughout. As every exploration, such a look does not begin while prompts
+    prefill: at chat 16 one opened at a wave's start, the draft pool prefilled the wave's
+    prompts beside the target's, the prefills took 64 s against always on's 53 and always
+    off's 48, and that pass ran 0.82x always off.
 
     The measurements behind each rule: docs/bench/adaptive-history.md.
 
@@ -1332,6 +1335,8 @@ class MeasuredModes:
         bet = self.model_margin / (1 + self.model_margin)  # the least share of time the model must save to run
         if measured.model is None:  # its first measurement, once the switch fits the budget and pays back
             look_s = self._first_look_s(level)
+            if look_s and prefilling:  # a look above a level that runs off explores: not while prompts prefill
+                return "off", False
             return ("model" if self._switch_fits(measured, look_s) and self._pays_back(measured, in_flight, bet)
                     else "off"), False
         off_loses = self._off_clearly_loses(measured)

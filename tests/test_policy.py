@@ -396,6 +396,29 @@ def test_a_first_look_at_the_model_above_a_level_that_runs_off_keeps_to_the_budg
             assert min(e["t"] for e in epochs if e["in_flight"] == 16 and e["mode"] == "model") == start
 
 
+def test_a_first_look_above_a_level_that_runs_off_does_not_begin_while_prompts_prefill():
+    """Such a look is an exploration, and no exploration begins while prompts prefill: at chat
+    16 streams the look opened at a wave's start, the draft pool prefilled the wave's prompts
+    beside the target's, and the wave's prefills took 64 s against always on's 53 and always
+    off's 48 (that pass 0.82x always off). A look with no level below that runs off begins at
+    once, prefilling or not (always on prefills the same prompts)."""
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
+    lower = modes._measured(MeasuredModes.level(8))
+    lower.model, lower.off, lower.warm_up_s = 8.3, 7.7, 6.0  # decided off (lead < 1.2)
+    lower.measurements = {"model": 2, "off": 1}
+    assert modes._best(lower) == "off"
+    level = modes._measured(MeasuredModes.level(16))
+    level.clock, level.seen = 10 * modes._budget_wait(6.0), 0.0  # the budget allows the look
+    level.off, level.measurements, level.epochs = 9.8, {"off": 3}, 3
+    assert modes._first_look_s(MeasuredModes.level(16)) == 6.0
+    assert modes._next(MeasuredModes.level(16), 16, prefilling=True, catching_up=False) == ("off", False)
+    assert modes._next(MeasuredModes.level(16), 16, prefilling=False, catching_up=False) == ("model", False)
+    # with the model the lower level's decision, the look begins while prompts prefill
+    lower.model = 10.0
+    assert modes._first_look_s(MeasuredModes.level(16)) == 0.0
+    assert modes._next(MeasuredModes.level(16), 16, prefilling=True, catching_up=False) == ("model", False)
+
+
 def test_measured_goodput_keeps_the_model_where_speculation_wins_and_does_not_flap():
     """Speculation 30% better at 4 requests, noisy rounds: off runs only to re-measure it."""
     modes = MeasuredModes(epoch_s=2.0)
