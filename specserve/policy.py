@@ -1370,8 +1370,15 @@ class MeasuredModes:
         owed: off is the likely decision, and off owes its draft pools nothing."""
         if measured.off is not None:
             return self._best(measured) == "model"
+        return self._model_beats_off_predicted(measured, self.model_margin) is not False
+
+    def _model_beats_off_predicted(self, measured: _ModeGoodput, margin: float) -> bool | None:
+        """Whether the model's estimate is above off's predicted goodput by more than `margin`
+        (None where either is not known)."""
         model = self.model_estimate(measured)
-        return model is None or self._off_predicted is None or model > self._off_predicted * (1 + self.model_margin)
+        if model is None or self._off_predicted is None:
+            return None
+        return model > self._off_predicted * (1 + margin)
 
     def _pays_back(self, measured: _ModeGoodput, in_flight: int, saving: float | None = None) -> bool:
         """Whether switching the steered requests to the model now saves more than it costs
@@ -1393,6 +1400,4 @@ class MeasuredModes:
         then an epoch of off (a first measurement or an exploration) would only confirm it, at
         the cost of the epoch and of the switch back (at code 4 streams the wave's one off epoch
         was half the gap to always on)."""
-        model = self.model_estimate(measured)
-        return (model is not None and self._off_predicted is not None
-                and model > self._off_predicted * (1 + self.off_margin))
+        return self._model_beats_off_predicted(measured, self.off_margin) is True
