@@ -58,6 +58,8 @@ Pure and torch-free: the router and the library decoder feed it.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -213,11 +215,18 @@ class LoadModel:
     # fitted step time then stands in), and the overhead of rounds that waited on no other
     # request's verify (None until one ran; see off_goodput).
     decode: DecodeCurve | None = None
-    off_overhead_s: float | None = None
+    # Off's overhead is the median of its last `off_overhead_window` rounds, once
+    # `off_overhead_rounds` were seen: a router's first rounds can be slow (the bench's first
+    # request, alone: 0.49 s, then ~0.01 s, chat 8), and an EMA seeded by one such round kept
+    # off's prediction low for minutes, too low for off to be measured (docs/bench/off-curve-avx2).
+    off_overhead_rounds: int = 3
+    off_overhead_window: int = 15
+    _off_overheads: deque = field(default_factory=deque)
 
     def observe_target(self, batch_size: int, batch_tokens: float, step_s: float, *, off: bool = False) -> None:
-        """A target pass's load signal; `off`: the pass served a round of off (a decode pass
-        there, one token a call, tells the decode curve's drift)."""
+        """A target pass's load signal; `off`: the pass ran as off's passes run (a round of
+        off, or any round while the draft pool was idle: CallsInFlight), so a decode pass there,
+        one token a call, tells the decode curve's drift."""
         self.target.observe(batch_tokens, step_s)
         self.batch_ema += self.smoothing * (max(1, batch_size) - self.batch_ema)
         if off and self.decode is not None and 0 < batch_tokens <= batch_size:
@@ -240,8 +249,9 @@ class LoadModel:
         overhead is off's."""
         seconds = max(0.0, seconds)
         if off and not draft_call:
-            self.off_overhead_s = seconds if self.off_overhead_s is None else \
-                self.off_overhead_s + self.smoothing * (seconds - self.off_overhead_s)
+            self._off_overheads.append(seconds)
+            while len(self._off_overheads) > self.off_overhead_window:
+                self._off_overheads.popleft()
         if not draft_call:
             self.overhead_s += self.smoothing * (seconds - self.overhead_s)
             self.rounds_without_draft_call += 1
@@ -253,6 +263,13 @@ class LoadModel:
             self.draft_overhead_s = seconds
         else:
             self.draft_overhead_s += self.smoothing * (seconds - self.draft_overhead_s)
+
+    @property
+    def off_overhead_s(self) -> float | None:
+        """Off's round overhead (see `off_overhead_rounds`); None until enough were seen."""
+        if len(self._off_overheads) < self.off_overhead_rounds:
+            return None
+        return statistics.median(self._off_overheads)
 
     def passes(self, batch: float) -> float:
         """Passes of each pool a round spans at `batch` requests per pass: every request in
@@ -284,6 +301,40 @@ class LoadModel:
             return None
         overhead = self.off_overhead_s if self.off_overhead_s is not None else self.round_overhead(draft_call=False)
         return self.in_flight / (overhead + self.target.predict(self.in_flight))
+
+
+@dataclass
+class CallsInFlight:
+    """A router's calls to one pool: how many are in flight, and when the last one ended. Tells
+    whether the pool was idle, as far as this router knows, through a span such as a round: a
+    target decode pass that ran while the draft pool was idle costs what off's passes cost,
+    whichever request it served (a request with speculation off, or the policy's rounds at
+    k = 0), so it tells the decode curve's drift as off's rounds do. One the draft pool shared
+    the cores with does not: 8-call decode passes of catch-up rounds took 1.3-1.5 s where always
+    off's took 0.82-0.85 s (chat 8, 2-core CPU).
+
+    >>> calls = CallsInFlight()
+    >>> calls.idle_since(0.0)
+    True
+    >>> calls.start(); calls.idle_since(0.0)
+    False
+    >>> calls.end(5.0); calls.idle_since(4.0), calls.idle_since(5.0)
+    (False, True)
+    """
+
+    in_flight: int = 0
+    last_end: float = -math.inf
+
+    def start(self) -> None:
+        self.in_flight += 1
+
+    def end(self, now: float) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+        self.last_end = max(self.last_end, now)
+
+    def idle_since(self, since: float) -> bool:
+        """No call in flight now, and none ended after `since`."""
+        return self.in_flight == 0 and self.last_end <= since
 
 
 @dataclass

@@ -260,3 +260,39 @@ def test_by_default_only_pools_on_cuda_devices_draft_ahead(target_device, draft_
     if draft_device is not None:  # an explicit setting wins
         forced = args | {"speculation": {"proposer": "draft", "draft_ahead": not expected}}
         assert AppArgs.model_validate(forced).speculation.draft_ahead is (not expected)
+
+
+def test_decode_passes_tell_off_s_drift_only_while_no_draft_call_is_in_flight(monkeypatch):
+    """Off's prediction rests on the target's timed decode passes times a drift measured in
+    service. Any decode pass that ran while the draft pool was idle tells that drift (a request
+    with speculation off, not just the policy's off rounds); one run beside a draft call (a
+    catch-up, another request's draft) does not, and the router's count of draft calls in
+    flight comes back to zero however the calls ended."""
+    from specserve.policy import DecodeCurve
+    from specserve.protocol import PoolLoad
+
+    class TimedTarget(FakeTargetPool):
+        async def _verify(self, request):
+            result = await super()._verify(request)
+            tokens = 1 + len(request.draft.tokens)
+            result.load = PoolLoad(1, float(tokens), 0, 0.02 if tokens == 1 else 0.05)
+            return result
+
+    async def off_request(router):
+        state = RequestState("off", [5, 9, 11], SamplingParams(max_tokens=12), Speculation(proposer="none"))
+        async for _ in router._rounds(state):
+            pass
+        return state
+
+    router = make_router(monkeypatch, FakeDraftPool(0.002), TimedTarget(0.002), draft_ahead=True)
+    router.load.decode = DecodeCurve(((1, 0.01),))  # timed at startup: 0.01 s; in service 0.02
+    router.draft_calls.start()  # another request's draft call, in flight throughout
+    state = asyncio.run(off_request(router))
+    assert state.output_ids == target_alone([5, 9, 11], 12)
+    assert router.load.decode.drift == 1.0
+    router.draft_calls.end(0.0)
+    asyncio.run(off_request(router))
+    assert router.load.decode.drift > 1.5  # 12 decode passes at twice the timed pass, 0.1 each
+    drift = router.load.decode.drift
+    asyncio.run(generate(router, 30))  # speculating, drafting ahead: its verifies are not decode passes
+    assert router.load.decode.drift == drift and router.draft_calls.in_flight == 0

@@ -1395,6 +1395,25 @@ def test_off_is_predicted_from_the_decode_passes_the_target_timed_not_from_the_m
         DecodeCurve(((4, 0.3), (2, 0.2)))
 
 
+def test_one_slow_first_round_does_not_set_off_s_overhead():
+    """Off's overhead is the median of its recent rounds, known once a few were seen: the
+    bench's first request, alone, took 0.49 s a round outside its pass, then ~0.01 s; an EMA
+    seeded by that round kept off predicted at ~0.7x for minutes, so off was never measured at
+    chat 8 (docs/bench/off-curve-avx2, owed-chat8)."""
+    load = LoadModel(in_flight=8, decode=DecodeCurve(((1, 0.4), (8, 0.8))))
+    load.observe_overhead(0.49, off=True)
+    load.observe_overhead(0.012, off=True)
+    assert load.off_overhead_s is None and load.off_goodput() == pytest.approx(8 / 0.8)  # too few yet
+    load.observe_overhead(0.014, off=True)
+    assert load.off_overhead_s == pytest.approx(0.014)
+    assert load.off_goodput() == pytest.approx(8 / 0.814)
+    for _ in range(20):  # the window moves on: off's rounds under load cost more
+        load.observe_overhead(0.05, off=True)
+    assert load.off_overhead_s == pytest.approx(0.05)
+    load.observe_overhead(3.0, draft_call=True, off=True)  # a drafted round is never off's
+    assert load.off_overhead_s == pytest.approx(0.05)
+
+
 def test_the_model_runs_only_where_it_measured_clearly_above_off():
     """The model's epochs leave out costs whole waves pay (the draft pool's prefill of each new
     prompt, a wave's spread ends): where they tied, off won over the passes (chat 4: 1.07x, code

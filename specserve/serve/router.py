@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specserve.engine import adapt_speculation, sampling_refusal
 from specserve.pipeline import StreamedDraft
 from specserve.policy import (
-    DecodeCurve, LoadModel, MeasuredModes, PrefillWatch, RecentPeak, SpeculationPolicy, draft_catches_up,
+    CallsInFlight, DecodeCurve, LoadModel, MeasuredModes, PrefillWatch, RecentPeak, SpeculationPolicy, draft_catches_up,
 )
 from specserve.protocol import (
     DETERMINISTIC, DRAFT_POOL_PROPOSERS, LOCAL_PROPOSERS, Proposal, ProposeRequest, SpecserveError, TokenTree,
@@ -147,6 +147,7 @@ class DraftAhead:
     request: ProposeRequest
     pool: DeploymentHandle
     timeout_s: float  # waited for this long after the verify returns, then given up
+    calls: CallsInFlight  # the router's calls to the draft pool
 
     def __post_init__(self) -> None:
         self.response: DeploymentResponse | None = None
@@ -154,8 +155,12 @@ class DraftAhead:
         self.call = asyncio.ensure_future(self._send())
 
     async def _send(self) -> Proposal:
-        self.response = self.pool.propose.remote(self.request)
-        return await self.response
+        self.calls.start()
+        try:
+            self.response = self.pool.propose.remote(self.request)
+            return await self.response
+        finally:
+            self.calls.end(time.monotonic())
 
     async def result(self) -> Proposal | None:
         """The draft, or None when the call failed or outlasted timeout_s (the next round then
@@ -188,6 +193,7 @@ class Router(GrpcApi):
         self._info_lock = asyncio.Lock()
         self._draft_down_until = 0.0
         self.draft_liveness = PoolLiveness()
+        self.draft_calls = CallsInFlight()  # whether the draft pool was idle through a round
         # Load-aware speculation: the policy, and the pools' load as their replies report it.
         self.policy = SpeculationPolicy()
         self.load = LoadModel()
@@ -233,6 +239,7 @@ class Router(GrpcApi):
         if proposer in LOCAL_PROPOSERS or draft_down:  # prompt lookup, by choice or as the fallback
             return self.ngram.propose_one(request)
         quiet_s = self.spec.draft_timeout_s
+        self.draft_calls.start()
         try:
             return await await_while_alive(self.draft.propose.remote(request), self.draft_liveness,
                                            expected_s=expected_s, quiet_s=quiet_s,
@@ -245,6 +252,8 @@ class Router(GrpcApi):
                 return self.ngram.propose_one(request)
             self._draft_down(exc)
             return self.ngram.propose_one(request)
+        finally:
+            self.draft_calls.end(time.monotonic())
 
     def _draft_down(self, exc: BaseException) -> None:
         """The draft pool failed or went silent: draft by prompt lookup for draft_retry_after_s."""
@@ -277,7 +286,7 @@ class Router(GrpcApi):
             return None
         state.stats.drafts_ahead += 1
         request = state.ahead_request(proposal)
-        return DraftAhead(request, self.draft, self.spec.draft_timeout_s)
+        return DraftAhead(request, self.draft, self.spec.draft_timeout_s, self.draft_calls)
 
     async def _settle(self, state: RequestState, ahead: DraftAhead) -> None:
         """A draft ahead whose round failed: wait for it (or give it up), then free the draft
@@ -440,7 +449,7 @@ class Router(GrpcApi):
                 clear = self.prefills.clear(round_mark)
                 self._observe_load(result, proposal, draft_call, overhead if clear else None,
                                    off=mode == "off" and ticket is not None and not self.modes.settling(),
-                                   alone=self.in_rounds == 1)
+                                   alone=self.in_rounds == 1, draft_idle=self.draft_calls.idle_since(round_start))
                 prefill = False
                 if self.trace is not None:
                     self.trace.write(trace_line(state, decision, mode=mode, in_flight=self.in_rounds, load=self.load,
@@ -492,6 +501,7 @@ class Router(GrpcApi):
             ProposeRequest(state.request_id, pipe.base, state.room() - 1, state.params, 0))
         reading: asyncio.Future | None = asyncio.ensure_future(stream.__anext__())
         verifies: deque[tuple[TokenTree, asyncio.Future]] = deque()
+        self.draft_calls.start()
         try:
             while not state.finished:
                 for context, chunk in pipe.chunks_to_verify():
@@ -527,6 +537,7 @@ class Router(GrpcApi):
                 if task is not None:
                     task.cancel()
             stream.cancel()
+            self.draft_calls.end(time.monotonic())
 
     async def _native_rounds(self, state: RequestState, deadline: float | None) -> AsyncIterator[list[int]]:
         """Native mode: one streaming call for the rest of the generation, each of the target's
@@ -562,13 +573,15 @@ class Router(GrpcApi):
         return emitted
 
     def _observe_load(self, result: VerifyResult, proposal: Proposal | None, draft_call: bool,
-                      overhead_s: float | None, *, off: bool, alone: bool) -> None:
+                      overhead_s: float | None, *, off: bool, alone: bool, draft_idle: bool) -> None:
         """The pools' load signals, and the round's wall time outside the passes it spanned
         (None: not a round's overhead, e.g. a prompt's prefill queued behind others'). `off`: a
         round of the policy's off epochs; `alone`: the only request in rounds (what off's round
-        costs is measured in those: LoadModel.off_goodput)."""
+        costs is measured in those: LoadModel.off_goodput); `draft_idle`: no draft call was in
+        flight through the round (its decode passes ran as off's do: CallsInFlight)."""
         if result.load is not None:
-            self.load.observe_target(result.load.batch_size, result.load.batch_tokens, result.load.step_s, off=off)
+            self.load.observe_target(result.load.batch_size, result.load.batch_tokens, result.load.step_s,
+                                     off=off or draft_idle)
             self.metrics.pool_load("target", result.load)
         if proposal is not None and proposal.load is not None:
             self.load.observe_draft(proposal.load.batch_tokens, proposal.load.step_s)
