@@ -142,7 +142,7 @@ class StepTimeModel:
 class DecodeCurve:
     """Seconds of a decode pass (one new token a call) by calls in it: the passes the target
     pool timed at startup (EngineInfo.decode_pass_s), interpolated, times the drift since (an
-    EMA of measured over timed, in the decode passes of off's rounds). What off's rounds cost,
+    EMA of measured over timed, in the decode passes that ran as off's do: see CallsInFlight). What off's rounds cost,
     where a line fitted on a speculating router's passes cannot say: its verifies have several
     rows a call and share the cores with the draft pool, and that line put a 16-call decode
     pass at 1.0-1.4 s where it took 0.75-0.8 s (code, 16 streams).
@@ -291,7 +291,7 @@ class LoadModel:
         fitted step time, which errs low while requests speculate (fitted on verifies of several
         rows a call, the draft pool sharing the cores): over the model's rounds at code 8 and 16
         streams it put off at 8.8 and 11 tok/s where off's epochs measured 14-16 and ~20. The
-        overhead: off's own (`off_overhead_s`); until one is measured, none where the curve is
+        overhead: off's own (`off_overhead_s`); until a few are measured, none where the curve is
         known (a round trip is ~0.03 s against a CPU pass's 0.4-0.8 s; the model's target-only
         rounds, which wait on other requests' verifies, measured 0.14-0.38 s), else the
         target-only rounds'. None before the target's first reply or timed passes."""
