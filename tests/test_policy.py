@@ -1930,14 +1930,3 @@ def test_a_bursts_first_rounds_decide_at_the_load_it_enters_into():
     # a peak below the burst's own count does not hold it back
     assert modes_of_a_burst(8) == ["off"] * 11 + ["model"] * 5
 
-
-
-def test_the_policy_module_s_examples_hold():
-    """The docstrings' examples (the module's, DecodeCurve, CallsInFlight, PrefillWatch,
-    RecentPeak, ...) are checked, so they stay true as the code changes."""
-    import doctest
-
-    import specserve.policy as module
-
-    results = doctest.testmod(module)
-    assert results.attempted >= 8 and results.failed == 0
