@@ -142,10 +142,10 @@ class StepTimeModel:
 class DecodeCurve:
     """Seconds of a decode pass (one new token a call) by calls in it: the passes the target
     pool timed at startup (EngineInfo.decode_pass_s), interpolated, times the drift since (an
-    EMA of measured over timed, in the decode passes that ran as off's do: see CallsInFlight). What off's rounds cost,
-    where a line fitted on a speculating router's passes cannot say: its verifies have several
-    rows a call and share the cores with the draft pool, and that line put a 16-call decode
-    pass at 1.0-1.4 s where it took 0.75-0.8 s (code, 16 streams).
+    EMA of measured over timed, in the decode passes that ran as off's do: see CallsInFlight).
+    What off's rounds cost, where a line fitted on a speculating router's passes cannot say: its
+    verifies have several rows a call and share the cores with the draft pool, and that line
+    put a 16-call decode pass at 1.0-1.4 s where it took 0.75-0.8 s (code, 16 streams).
 
         >>> curve = DecodeCurve(((1, 0.30), (2, 0.32), (4, 0.36), (8, 0.44), (16, 0.60)))
         >>> round(curve.predict(12), 3), round(curve.predict(24), 3)  # between timed passes; past the largest
@@ -221,7 +221,10 @@ class LoadModel:
     # off's prediction low for minutes, too low for off to be measured (docs/bench/off-curve-avx2).
     off_overhead_rounds: int = 3
     off_overhead_window: int = 15
-    _off_overheads: deque = field(default_factory=deque)
+    _off_overheads: deque = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._off_overheads = deque(maxlen=self.off_overhead_window)
 
     def observe_target(self, batch_size: int, batch_tokens: float, step_s: float, *, off: bool = False) -> None:
         """A target pass's load signal; `off`: the pass ran as off's passes run (a round of
@@ -250,8 +253,6 @@ class LoadModel:
         seconds = max(0.0, seconds)
         if off and not draft_call:
             self._off_overheads.append(seconds)
-            while len(self._off_overheads) > self.off_overhead_window:
-                self._off_overheads.popleft()
         if not draft_call:
             self.overhead_s += self.smoothing * (seconds - self.overhead_s)
             self.rounds_without_draft_call += 1
