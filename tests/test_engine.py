@@ -411,3 +411,43 @@ def test_linears_of_many_rows_run_padded_and_return_each_row_unchanged():
 def test_a_worker_refuses_an_unknown_quantization(model):
     with pytest.raises(SpecserveError, match="unknown quantization"):
         TorchWorker(model, quantize="int4")
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_releasing_the_model_weights_unmaps_the_checkpoint_and_keeps_the_output(tmp_path, quantize):
+    """A checkpoint loaded on CPU is views of one mmap of its safetensors file: the release
+    drops the projections and copies what stays (tied embedding, norms, biases), so the file is
+    no longer mapped, and the worker computes what one that keeps them computes."""
+    from specserve import models
+    from specserve.engine.torch_worker import can_quantize
+
+    if quantize is not None and not can_quantize(torch.device("cpu")):
+        pytest.skip("no x86 quantized engine")
+    tied = tiny_model("qwen2", seed=5)
+    tied.config.tie_word_embeddings = True  # as Qwen2.5-Coder's: lm_head is the embedding
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    tied.save_pretrained(tmp_path)
+    checkpoint = str(tmp_path / "model.safetensors")
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as maps:
+            return any(line.rstrip().endswith(checkpoint) for line in maps)
+
+    seq = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(6)).tolist()
+
+    def logits(worker) -> tuple[torch.Tensor, list[int]]:
+        prefill = worker.forward([ForwardItem("r", seq[:8])])[0]
+        [verify] = worker.run([ForwardItem("r", seq[:8], TokenTree.chain(seq[8:]))])
+        greedy = verify.argmax()  # before the logits: through the greedy screen where there is one
+        return torch.cat([prefill, verify.logits]), greedy
+
+    want = logits(TorchWorker(models.load_causal_lm(tmp_path, dtype="float32"), quantize=quantize))
+    assert not mapped()  # that worker and its model are gone
+    model = models.load_causal_lm(tmp_path, dtype="float32")
+    assert mapped()
+    worker = TorchWorker(model, quantize=quantize, release_model_weights=True)
+    assert not mapped()
+    assert all(m.weight.numel() == 0 for m in (model.model.layers[0].self_attn.q_proj, model.model.layers[1].mlp.down_proj))
+    assert model.lm_head.weight is model.get_input_embeddings().weight and model.lm_head.weight.numel() > 0
+    got = logits(worker)
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]

@@ -224,6 +224,12 @@ def default_linear_layout(dtype: torch.dtype) -> str:
     return BOTH if dtype == torch.float32 else ONE_ROW
 
 
+def owns_its_weights(device: torch.device, prepacked: bool, quantize: str | None) -> bool:
+    """Whether a worker's layers run on copies of the projections (oneDNN-packed or int8) and
+    none on views of the model's tensors (an unpacked Linear of one module is a view)."""
+    return device.type == "cpu" and (prepacked or quantize is not None)
+
+
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN prepacking: CPU tensors of a dtype it packs, and a build that has it."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
@@ -433,7 +439,8 @@ class TorchWorker:
     tokens. prepack: oneDNN-prepacked linears (default: on CPU when available). Prepacking
     copies the weights it packs; `release_model_weights` then frees the model's own copies of
     the projections (the model's forward can no longer be used; the embedding, norms and
-    lm_head stay, heads read them). cuda_graphs: run decode and chain-verify passes of up to 16
+    lm_head stay, heads read them; on CPU they are copied out of the checkpoint's mmap so that
+    the file's pages go too). cuda_graphs: run decode and chain-verify passes of up to 16
     requests as static-shape passes replayed as CUDA graphs (specserve.engine.cuda_graphs);
     default: on CUDA devices (CUDA_GRAPHS_BY_DEFAULT), never on CPU. greedy_screen: greedy
     tokens (`Rows.argmax`) through an int8 screen of the output layer, proven equal to the
@@ -474,6 +481,8 @@ class TorchWorker:
                                  f"not on {self.device}")
         self.quantize = quantize
         self.layers = [self._layer(layer) for layer in self.body.layers]
+        if release_model_weights:  # before the output layer and the screen, which then read the private copy
+            self._release_model_weights()
         self.output = Linear.fused([model.lm_head], pack=self.prepacked, rows=self.vocab_size,
                                    layout=self.linear_layout, quantize=quantize)
         if greedy_screen is None:  # where int8 kernels run and the logits are float32 (not a draft's int8)
@@ -488,8 +497,6 @@ class TorchWorker:
             head = model.lm_head
             self.greedy_screen = GreedyScreen(head.weight.detach()[: self.vocab_size],  # float32, checked above
                                               None if head.bias is None else head.bias.detach()[: self.vocab_size])
-        if release_model_weights:
-            self._release_model_weights()
         layers = len(self.layers)
         if max_cached_tokens is not None:
             if kv_cache_bytes is not None:
@@ -527,10 +534,20 @@ class TorchWorker:
         )
 
     def _release_model_weights(self) -> None:
+        """Drop the model's own projections (the layers hold their copies) and, where those
+        copies are all the layers read, give what stays (embedding and tied lm_head, norms,
+        biases) memory of its own."""
         for layer in self.body.layers:
             for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                            layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                 module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+        if owns_its_weights(self.device, self.prepacked, self.quantize):
+            # A checkpoint loaded on CPU is views of one mmap of its safetensors file, resident
+            # (RssFile) until the last view goes: dropping the projections alone freed nothing
+            # (a 1.5B float32 target: 6.0 GB mapped before and after, docs/MEASURED.md).
+            for param in self.model.parameters():  # a tied weight is yielded once and stays tied
+                if param.numel():
+                    param.data = param.data.clone()
 
     @property
     def kv_bytes_per_token(self) -> int:
