@@ -793,8 +793,6 @@ class _ModeGoodput:
     # measured below off's estimate since (then off is measured next: see "Contradicted")
     off_in_flight: float | None = None
     off_due: bool = False
-    # the level's seconds per mode while its lead sat in the split band (see "Splitting")
-    split_s: dict[str, float] = field(default_factory=lambda: {"model": 0.0, "off": 0.0})
 
 
 @dataclass(frozen=True)
@@ -863,29 +861,9 @@ class MeasuredModes:
     against 1.15x. Where speculation wins at a level by less than the margin, off gives up
     little (code at 8 streams: always on 0.98-1.03x always off). (With a 5% margin chat 8 ran
     the model in 75-91% of rounds: 0.93-0.94x the better fixed setting; a level's first decision
-    once gave a tie to the model, 0.77x.) Where the lead is above 1 + `split_from` but not past
-    the margin, neither mode is decided: see "Splitting". Below `min_in_flight`
+    once gave a tie to the model, 0.77x.) Below `min_in_flight`
     requests the model alone decides: a lone request has no other requests' costs it cannot
     see, and at 2 a prompt prefill in an epoch swings it more than the modes differ.
-
-    Splitting. At 8 streams on a 2-core AVX2 EPYC the epochs' lead sat at 1.12-1.23 on code and
-    0.98-1.20 on chat across traced runs, while over whole passes always on won code by ~1.1x and
-    always off won chat by ~1.08x: in that band the lead does not tell the winner, and a
-    decision that fell wrong lost ~8% (code 8 decided off at a lead of 1.17: 0.92x always on).
-    So where the lead is above 1 + `split_from` (0: the model measured ahead) and not above 1 +
-    `model_margin`, each mode runs `split_share` (half) of the level's time in the band: with
-    the true ratio within ~10% either way, half and half stays near 0.95x of the better. The
-    mode changes only while prompts prefill (at a wave's start, where every request is new), to
-    the model while its share is behind and the switch pays back (see "Paying back"), else to
-    off: so whole waves run one mode or the other. Between arrivals it holds its mode, and
-    explorations come due as at a decided level, so the lead stays current where no wave starts. Split within each wave instead (the model
-    from a wave's start until its share was due, then off) each request paid its draft pool's
-    prefill and then left its drafts, and code at 4 streams on a 2-core AVX-512 EPYC (bfloat16)
-    ran 0.92x always off where always on tied it (14.65 against 14.81 tok/s). Switches make
-    pairs, so the lead stays current and leaves the band where the modes draw apart.
-    Explorations have nothing to add there. The shares count the time the level's rounds ran:
-    in the bench the gaps between a level's waves (other settings' turns) had counted as the
-    mode that ended the last wave.
 
     Pairing. The decision compares the modes as the bench compares systems: adjacent in time,
     as a ratio. Each mode's estimate is of when its epochs ran, and the running mode's moves on
@@ -1028,12 +1006,8 @@ class MeasuredModes:
     max_epoch_s: float = 40.0  # an epoch not closed by then measures nothing
     explore_every: int = 5  # epochs before a level's first exploration (then backing off)
     max_explore_every: int = 40
-    # the model runs only where it measured this far above off (see "Deciding"); under it, off,
-    # except in the split band above split_from, where each mode runs split_share of the level's
-    # time (see "Splitting"; split_from None: no band, the margin decides alone)
+    # the model runs only where it measured this far above off (see "Deciding"); under it, off
     model_margin: float = 0.2
-    split_from: float | None = 0.0
-    split_share: float = 0.5
     weight: float = 0.3  # an epoch's weight in its mode's EMA (once the mode has 1/weight epochs)
     # the model's window stays open until its ended rounds' mean tokens a round has at most this
     # relative standard error (at code 4 streams, ~25 rounds: ~14 s), but no longer than
@@ -1117,8 +1091,7 @@ class MeasuredModes:
         return {"model": measured.model, "off": measured.off, "off_predicted": self._off_predicted,
                 "switch_cost_s": round(self._switch_cost_s, 3), "model_scaled": self.model_estimate(measured),
                 "model_yield": measured.model_yield, "yield_now": self.yield_now, "room_tokens": self._room_tokens,
-                "lead": self.model_lead(measured), "pairs": measured.pairs, "split": self._splits(measured),
-                "split_model_s": measured.split_s["model"], "split_off_s": measured.split_s["off"]}
+                "lead": self.model_lead(measured), "pairs": measured.pairs}
 
     def begin(self, now: float, in_flight: int, *, prefilling: bool = False, catching_up: bool = False,
               first_round: bool = False, switch_cost_s: float = 0.0, off_predicted: float | None = None,
@@ -1186,9 +1159,6 @@ class MeasuredModes:
         measured = self._measured(level)
         if measured.seen is not None and self._level == level:  # the level ran since its last round start
             measured.clock += now - measured.seen
-            # a split counts the time rounds ran: not the gap between a wave's end and the next's start
-            if self._splits(measured) and any(self._running.values()):
-                measured.split_s[self.current] += now - measured.seen
         measured.seen = now
         if self._started is None or level != self._level:  # the load moved: the epoch measures nothing
             self._start(now, level, in_flight, *self._next(level, in_flight, prefilling, catching_up), busy=prefilling or catching_up)
@@ -1429,10 +1399,7 @@ class MeasuredModes:
                                              and self._model_expected_to_win(measured))
         if measured.off is None and measure_off:
             return "off", False
-        split = self._splits(measured)  # the epochs cannot tell the winner: each mode runs its share
-        if split and prefilling:
-            return self._split_mode(measured, in_flight), False
-        best = self.current if split else self._best(measured)  # between arrivals a split level holds its mode
+        best = self._best(measured)
         if best == "model" and measured.off_due and not prefilling and measure_off:
             return "off", True  # its own epoch measured the model behind off: measure off now
         other = "off" if best == "model" else "model"
@@ -1447,25 +1414,6 @@ class MeasuredModes:
         if best == "model" and not self._pays_back(measured, in_flight):
             return "off", False  # the estimates favour the model, but not by enough to pay for the switch
         return best, False
-
-    def _splits(self, measured: _ModeGoodput) -> bool:
-        """Whether the level's lead sits in the split band: above 1 + `split_from`, not above
-        1 + `model_margin` (see "Splitting" in the class docstring)."""
-        if self.split_from is None or measured.off is None:
-            return False
-        lead = self.model_lead(measured)
-        return lead is not None and 1 + self.split_from < lead <= 1 + self.model_margin
-
-    def _split_mode(self, measured: _ModeGoodput, in_flight: int) -> str:
-        """The mode of a split level's next epoch while a prompt prefills (new requests arrive:
-        at a wave's start, the requests are all new): the model while its share of the level's
-        time in the band is under `split_share` and switching to it pays back (see "Paying
-        back"), else off. Between arrivals the level holds its mode (but for explorations):
-        mid-wave either switch wastes a cost every request pays once, to off the draft pool's
-        prefill of its prompt, to the model a catch-up on all it emitted off (see "Splitting")."""
-        model_s, off_s = measured.split_s["model"], measured.split_s["off"]
-        behind = model_s <= self.split_share * (model_s + off_s)
-        return "model" if behind and self._pays_back(measured, in_flight) else "off"
 
     def _model_expected_to_win(self, measured: _ModeGoodput) -> bool:
         """Whether the level is expected to decide for the model: by its lead where off measured,

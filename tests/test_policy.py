@@ -463,7 +463,7 @@ def test_an_exploration_of_off_that_finds_a_tie_overturns_the_decision():
     brings off within the margin changes the decision: it overturned it, and the next
     exploration (of the model, now the worse mode) waits the first interval again, not twice
     as long."""
-    modes = MeasuredModes(epoch_s=1.0, max_token_error=None, split_from=None)  # the margin decides alone
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
     level = MeasuredModes.level(4)
     modes.levels[level] = _ModeGoodput(model=10.0, off=8.2, epochs=5, measurements={"model": 5, "off": 5},
                                        explore_every=10, next_explore=5, warmed=True, seen=0.0)
@@ -1420,7 +1420,7 @@ def test_the_model_runs_only_where_it_measured_clearly_above_off():
     8: 1.09x, chat 8: 1.29x always on). So the model runs only where it leads off by more than
     `model_margin`, at the first decision and after."""
     for off_tokens, decision in ((21, "off"), (19, "off"), (17, "model")):  # the model 20 tok/s
-        modes = MeasuredModes(epoch_s=4.0, model_margin=0.1, max_token_error=None, split_from=None)
+        modes = MeasuredModes(epoch_s=4.0, model_margin=0.1, max_token_error=None)
         modes_run = [four_request_epoch(modes, 5.0 * i, tokens) for i, tokens in enumerate((20, off_tokens))]
         assert modes_run == ["model", "off"]
         assert four_request_epoch(modes, 10.0, off_tokens) == decision
@@ -1433,13 +1433,13 @@ def test_the_model_runs_only_where_it_measured_clearly_above_off():
     measured = modes.levels[MeasuredModes.level(4)]  # paired: the first look and off, off and the switch back
     assert measured.pairs == 2 and modes.model_lead(measured) == measured.lead > 1.1
     # where no pair was measured (the two modes' epochs far apart), the estimates' ratio decides
-    modes = MeasuredModes(epoch_s=4.0, model_margin=0.1, max_token_error=None, split_from=None)
+    modes = MeasuredModes(epoch_s=4.0, model_margin=0.1, max_token_error=None)
     modes.levels[MeasuredModes.level(4)] = _ModeGoodput(model=18.0, off=17.0, epochs=2, warmed=True, seen=0.0,
                                                         measurements={"model": 1, "off": 1})
     assert four_request_epoch(modes, 0.0, 18) == "off"  # 18 is under 10% ahead of 17
     # by default the model must lead by 20%: chat at 8 streams measured it 1.13-1.20x off where
     # always off ran 1.08x always on over the passes
-    modes = MeasuredModes(epoch_s=4.0, max_token_error=None, split_from=None)
+    modes = MeasuredModes(epoch_s=4.0, max_token_error=None)
     assert [four_request_epoch(modes, 5.0 * i, tokens) for i, tokens in enumerate((23, 20, 20))] == \
         ["model", "off", "off"]
 
@@ -1453,7 +1453,7 @@ def test_the_modes_are_compared_in_adjacent_epochs_as_a_ratio():
     modes. Here the model leads off by 11% (20 against 18 tok/s), then the machine slows both by
     20%: off's estimate sinks to ~14.4 while the model's, measured fast, stays far above 1.2x
     that, but the lead stays 1.11x and the level stays off but for its explorations."""
-    modes = MeasuredModes(epoch_s=2.0, split_from=None)  # the margin decides alone (no split band)
+    modes = MeasuredModes(epoch_s=2.0)
     epochs = run_modes(modes, [(60, 8, 20, 18), (120, 8, 16, 14.4)], random.Random(0), noise=0.1)
     slow = measured_epochs([e for e in epochs if e["t"] >= 60])
     measured = modes.levels[MeasuredModes.level(8)]
@@ -1544,7 +1544,7 @@ def test_off_is_not_measured_while_the_model_s_requests_owe_their_draft_pools_ca
         assert not modes._off_clearly_loses(modes.levels[level])  # off_margin does not decide it
 
     # where off is already the decision, it runs whatever is owed: it leaves catch-ups for later
-    modes = MeasuredModes(epoch_s=1.0, max_token_error=None, split_from=None)  # no split band
+    modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
     modes.levels[level] = _ModeGoodput(model=18.0, off=17.0, lead=1.06, pairs=1, epochs=2, warmed=True, seen=0.0,
                                        measurements={"model": 1, "off": 1}, next_explore=20)
     rounds = [modes.begin(0.2 * i, 8, catching_up=True) for i in range(8)]
@@ -1912,7 +1912,7 @@ def test_a_bursts_first_rounds_decide_at_the_load_it_enters_into():
     from specserve.policy import MeasuredModes
 
     def modes_of_a_burst(peak):
-        modes = MeasuredModes(split_from=None)  # no split band: 1.03 and 1.14 decide off
+        modes = MeasuredModes()
         # measured before: off the better at 3-11 requests in flight, the model 1.41x off at 12-22
         for level, lead in {2: 1.14, 3: 1.03, 4: 1.41}.items():
             measured = modes._measured(level)
@@ -1930,98 +1930,3 @@ def test_a_bursts_first_rounds_decide_at_the_load_it_enters_into():
     # a peak below the burst's own count does not hold it back
     assert modes_of_a_burst(8) == ["off"] * 11 + ["model"] * 5
 
-
-
-def run_waves(modes: MeasuredModes, waves: int, requests: int, model_goodput: float, off_goodput: float,
-              rng: random.Random, tokens: int = 64, prefill_s: float = 2.0, gap_s: float = 30.0) -> list[list[str]]:
-    """Drive MeasuredModes with waves of `requests` new requests, as the bench's service mode
-    does: each request's first round prefills its prompt (`prefill_s`, one token) while the
-    others' rounds see `prefilling`, then it runs rounds back to back (as `run_modes`, +-10%)
-    until it emitted `tokens`; `gap_s` of other settings' turns between waves. Returns each
-    wave's round modes in order."""
-    import heapq
-
-    now, seen = 0.0, []
-    for _ in range(waves):
-        ready = [(now + 0.001 * i, i, None, 0.0, 0) for i in range(requests)]  # (when, id, ticket, s, emitted)
-        prefills, modes_of_wave = 0, []
-        while ready:
-            now, rid, ticket, round_s, emitted = heapq.heappop(ready)
-            if ticket is not None:
-                first = ticket is not None and round_s == prefill_s
-                prefills -= first
-                emitted += 1 if first or ticket.mode == "off" else 2
-                modes.end(ticket, 1 if first or ticket.mode == "off" else 2, round_s)
-                if emitted >= tokens:
-                    continue
-            first = ticket is None
-            prefills += first
-            ticket = modes.begin(now, len(ready) + 1, prefilling=prefills > 0, first_round=first,
-                                 peak_in_flight=requests)
-            modes_of_wave.append(ticket.mode)
-            if first:
-                round_s = prefill_s
-            else:
-                round_s = (2 if ticket.mode == "model" else 1) * requests / (
-                    model_goodput if ticket.mode == "model" else off_goodput) * (1 + rng.uniform(-0.1, 0.1))
-            heapq.heappush(ready, (now + round_s, rid, ticket, round_s, emitted))
-        seen.append(modes_of_wave)
-        now += gap_s
-    return seen
-
-
-def test_a_level_whose_lead_sits_in_the_split_band_runs_whole_waves_of_each_mode():
-    """At 8 streams the epochs' lead of the model over off sat at 1.12-1.23 on code and
-    0.98-1.20 on chat, while over whole passes always on won code by ~1.1x and always off won
-    chat by ~1.08x: inside that band the epochs cannot tell the winner, and a decision either
-    way lost ~8% where it fell wrong (code 8: 0.92x). So where the lead is above 1 +
-    `split_from` but not above 1 + `model_margin`, each mode runs `split_share` of the level's
-    time, changing only at arrivals, so whole waves run one mode or the other (split within a
-    wave, each request paid its draft prefill and then left its drafts: code 4, 0.92x where the
-    fixed settings tied). Outside the band the lead decides."""
-    level = MeasuredModes.level(8)
-    for seed in range(3):
-        modes = MeasuredModes(epoch_s=2.0)
-        waves = run_waves(modes, 12, 8, 20.0, 18.0, random.Random(seed))  # the model 1.11x off
-        measured = modes.levels[level]
-        assert modes.estimates(8)["split"], measured
-        later = waves[2:]  # the first two measured both modes and found the band
-        # past the first rounds one mode throughout, but for explorations (they back off)
-        whole = [w for w in later if len(set(w[8:])) == 1]
-        assert len(whole) >= 0.7 * len(later), [sorted(set(w)) for w in later]
-        runs_model = [2 * w[8:].count("model") > len(w[8:]) for w in later]  # the wave's mode, mostly
-        assert 3 <= sum(runs_model) <= len(later) - 3, runs_model
-        share = measured.split_s["model"] / (measured.split_s["model"] + measured.split_s["off"])
-        assert 0.3 <= share <= 0.7, measured.split_s
-        assert sum(measured.split_s.values()) < 10 * 12 * 60  # the gaps between waves are not counted
-        estimates = modes.estimates(8)
-        assert estimates["split_model_s"] == measured.split_s["model"]
-        # the policy trace rounds every estimate (trace_line): numbers only
-        assert all(v is None or isinstance(v, (int, float)) for v in estimates.values())
-    for model_goodput, mostly in ((26.0, "model"), (15.0, "off")):  # 1.44x and 0.83x: decided
-        modes = MeasuredModes(epoch_s=2.0)
-        waves = run_waves(modes, 8, 8, model_goodput, 18.0, random.Random(1))
-        decided = [2 * w[8:].count(mostly) > len(w[8:]) for w in waves[2:]]  # but for explorations
-        assert all(decided), (model_goodput, decided)
-        assert sum(modes.levels[level].split_s.values()) == 0
-
-
-def test_a_split_level_switches_to_the_model_only_at_arrivals_and_where_the_switch_pays_back():
-    """A split level's switch to the model makes every request's draft pool catch up on what it
-    emitted off, as any switch does: it is taken only where prompts prefill (requests arrive)
-    and the model's lead would earn the catch-ups back before the requests end (at a wave's
-    start, where nothing is owed, always)."""
-    level = MeasuredModes.level(8)
-
-    def next_mode(switch_cost_s, room_tokens, prefilling=True):
-        modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
-        modes.levels[level] = _ModeGoodput(model=20.0, off=18.0, lead=1.11, pairs=2, epochs=4, warmed=True, seen=0.0,
-                                           measurements={"model": 2, "off": 2}, next_explore=20,
-                                           split_s={"model": 10.0, "off": 30.0})
-        modes.current = "off"
-        return modes.begin(1.0, 8, switch_cost_s=switch_cost_s, room_tokens=room_tokens, prefilling=prefilling).mode
-
-    assert next_mode(0.0, 64.0) == "model"  # behind its share, and nothing owed
-    assert next_mode(0.0, 64.0, prefilling=False) == "off"  # no arrival: the level holds its mode
-    assert next_mode(10.0, 16.0) == "off"  # 10 s of catch-ups against ~0.7 s saved in the 7 s left
-    assert next_mode(10.0, None) == "model"  # unbounded requests: every switch pays
