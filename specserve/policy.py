@@ -793,6 +793,7 @@ class _ModeGoodput:
     # measured below off's estimate since (then off is measured next: see "Contradicted")
     off_in_flight: float | None = None
     off_due: bool = False
+    decided: str = "off"  # the level's last decision by its lead (MeasuredModes._best: hysteresis)
 
 
 @dataclass(frozen=True)
@@ -861,7 +862,12 @@ class MeasuredModes:
     against 1.15x. Where speculation wins at a level by less than the margin, off gives up
     little (code at 8 streams: always on 0.98-1.03x always off). (With a 5% margin chat 8 ran
     the model in 75-91% of rounds: 0.93-0.94x the better fixed setting; a level's first decision
-    once gave a tie to the model, 0.77x.) Below `min_in_flight`
+    once gave a tie to the model, 0.77x.) Once a level decided for the model it keeps it until
+    the lead falls to `keep_margin` (10%): hysteresis, since the lead is an average of noisy pairs
+    and a single threshold flaps where it sits near the margin (code 4 streams on an AVX-512
+    EPYC: 1.25, 1.23, 1.17 over three pairs, and the third's exploration turned the wave to off
+    in its middle, with its draft prompts paid; the two fixed settings tied there, and each
+    flip cost adaptive a wave's switches). Below `min_in_flight`
     requests the model alone decides: a lone request has no other requests' costs it cannot
     see, and at 2 a prompt prefill in an epoch swings it more than the modes differ.
 
@@ -887,7 +893,9 @@ class MeasuredModes:
     after `explore_every` epochs at a level; one that leaves the decision as it was (ties
     included) doubles the wait, up to `max_explore_every`, one that overturns it resets it, and
     one that measured nothing goes on for up to `explore_retries` more epochs. No exploration
-    begins while a prompt prefills.
+    begins while a prompt prefills, and off is measured while the model runs (a first
+    measurement, an exploration) only where the steered requests have room left for its window
+    (`off_room_epochs`): a wave's end thins the level and its epoch measures nothing.
 
     Switching to the model costs: every request's draft pool catches up on all it emitted off,
     a burst of prefills on the cores the target uses. So such a switch opens with a warm-up that
@@ -1008,6 +1016,9 @@ class MeasuredModes:
     max_explore_every: int = 40
     # the model runs only where it measured this far above off (see "Deciding"); under it, off
     model_margin: float = 0.2
+    # ... and once the model runs by that, off only where it measured at most this far above it
+    # (hysteresis: see "Deciding")
+    keep_margin: float = 0.1
     weight: float = 0.3  # an epoch's weight in its mode's EMA (once the mode has 1/weight epochs)
     # the model's window stays open until its ended rounds' mean tokens a round has at most this
     # relative standard error (at code 4 streams, ~25 rounds: ~14 s), but no longer than
@@ -1034,6 +1045,12 @@ class MeasuredModes:
     # within this of the first's close (a switch to the model warms up first: 5-12 s here, at
     # most max_warm_up_epochs x epoch_s) and their mean requests in flight differ by at most this share
     pair_gap_s: float = 45.0
+    # off is measured while the model runs only where the steered requests may still emit this
+    # many epochs of off's tokens each (see `_room_for_off`): its window, and as long again for a
+    # wave's requests, which finish apart under the model, to stay at the level
+    off_room_epochs: float = 2.0
+    # ... and an exploration of off, which must also come back and pay its catch-ups back, this many
+    explore_off_room_epochs: float = 4.0
     pair_in_flight_tolerance: float = 0.15
     stale_s: float = 3600.0  # a level where no round began for this long starts afresh
     yield_weight: float = 0.1  # a steered round's weight in the yield expected now (~the last 10 rounds)
@@ -1358,12 +1375,16 @@ class MeasuredModes:
         return min(1.0, self.yield_now / measured_yield)
 
     def _best(self, measured: _ModeGoodput) -> str:
-        """The better mode by the level's measurements: the model only where it measured more
-        than `model_margin` above off (see "Deciding" in the class docstring)."""
+        """The better mode by the level's measurements: the model where it measured more than
+        `model_margin` above off, and once decided for, until it measures at most `keep_margin`
+        above it (see "Deciding" in the class docstring). The level keeps its decision
+        (`decided`), so asking again gives the same answer."""
         if measured.off is None:
             return "model"
         lead = self.model_lead(measured)
-        return "model" if lead is not None and lead > 1 + self.model_margin else "off"
+        margin = self.keep_margin if measured.decided == "model" else self.model_margin
+        measured.decided = "model" if lead is not None and lead > 1 + margin else "off"
+        return measured.decided
 
     def _next(self, level: int, in_flight: int, prefilling: bool, catching_up: bool) -> tuple[str, bool]:
         """The mode of the next epoch at `level`, and whether it explores (due by the epochs
@@ -1395,8 +1416,8 @@ class MeasuredModes:
         # off is measured at once (switching to it costs nothing), but not while the model's
         # requests owe catch-ups where the model is expected to win: off would leave them owed,
         # and the switch back would pay them all
-        measure_off = not off_loses and not (catching_up and self.current == "model"
-                                             and self._model_expected_to_win(measured))
+        measure_off = (not off_loses and self._room_for_off(measured, in_flight)
+                       and not (catching_up and self.current == "model" and self._model_expected_to_win(measured)))
         if measured.off is None and measure_off:
             return "off", False
         best = self._best(measured)
@@ -1409,11 +1430,34 @@ class MeasuredModes:
         if (not prefilling and measured.epochs >= measured.next_explore
                 and measured.clock >= measured.explore_after
                 and (self._switch_fits(measured) and self._pays_back(measured, in_flight, bet) if other == "model"
-                     else measure_off)):
+                     else measure_off and self._room_for_off(measured, in_flight, self.explore_off_room_epochs))):
             return other, True
         if best == "model" and not self._pays_back(measured, in_flight):
             return "off", False  # the estimates favour the model, but not by enough to pay for the switch
         return best, False
+
+    def _room_for_off(self, measured: _ModeGoodput, in_flight: int, epochs: float | None = None) -> bool:
+        """Whether the steered requests have room left for a measurement of off to finish: while
+        the model runs, off's epoch (a first measurement, an exploration) begins only where they
+        may still emit `epochs` (`off_room_epochs` unless given) x `epoch_s` of off's tokens per request (`room_tokens`,
+        at off's goodput, measured or predicted, per request in flight). A wave's end thins the
+        level before the window closes, and an epoch whose level changed measures nothing: at
+        code 4 streams on an AVX-512 EPYC (64-token answers), two waves running the model
+        switched to off 17 s into their ~21-s decode to measure it for the first time, the
+        requests finished within the window, and off went unmeasured at the price of the
+        waves' last seconds of the model. An exploration of off asks for more
+        (`explore_off_room_epochs`): it must come back, and the catch-ups of what off emitted pay
+        back only over the time left after it (at code 4 streams every exploration of off in
+        mid-wave turned the rest of its wave to off, the way back not paying, and such waves ran
+        ~10% below both fixed settings). True where off runs already, the room is not known, or
+        neither of off's goodputs is."""
+        if self.current == "off" or self._room_tokens is None:
+            return True
+        off = measured.off or self._off_predicted
+        if not off:
+            return True
+        epochs = self.off_room_epochs if epochs is None else epochs
+        return self._room_tokens >= epochs * self.epoch_s * off / max(in_flight, 1)
 
     def _model_expected_to_win(self, measured: _ModeGoodput) -> bool:
         """Whether the level is expected to decide for the model: by its lead where off measured,

@@ -459,24 +459,42 @@ def test_explorations_back_off_where_the_modes_tie():
 
 
 def test_an_exploration_of_off_that_finds_a_tie_overturns_the_decision():
-    """Off wins where the model leads by less than `model_margin`, so an exploration of off that
-    brings off within the margin changes the decision: it overturned it, and the next
-    exploration (of the model, now the worse mode) waits the first interval again, not twice
-    as long."""
-    modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
+    """A level that decided for the model (it led by more than `model_margin`) turns to off
+    where it leads by at most `keep_margin`, so an exploration of off that brings off within
+    that overturns the decision, and the next exploration (of the model, now the worse mode)
+    waits the first interval again, not twice as long. One that finds the model still past
+    `keep_margin`, if no longer past `model_margin`, leaves it (hysteresis: at code 4 streams
+    on an AVX-512 EPYC the lead went 1.25, 1.23, 1.17 over three pairs, and the single margin
+    turned the wave of the third to off in its middle, its drafts' prompts paid)."""
     level = MeasuredModes.level(4)
-    modes.levels[level] = _ModeGoodput(model=10.0, off=8.2, epochs=5, measurements={"model": 5, "off": 5},
-                                       explore_every=10, next_explore=5, warmed=True, seen=0.0)
-    now, rounds = 0.0, []
-    while not rounds or modes.epoch == rounds[0].epoch:  # the exploration's epoch, to its close
-        ticket = modes.begin(now, 4)
-        rounds.append(ticket)
-        modes.end(ticket, tokens=1, seconds=4 / 9.0)  # off measures 9 tok/s at 4 requests
-        now += 0.25
-    assert rounds[0].mode == "off" and modes.current == "off"  # explored, then kept: 8.44 x 1.2 > 10
+
+    def explore_off(off_tok_s: float) -> MeasuredModes:
+        modes = MeasuredModes(epoch_s=1.0, max_token_error=None)
+        modes.levels[level] = _ModeGoodput(model=10.0, off=8.2, epochs=5, measurements={"model": 5, "off": 5},
+                                           explore_every=10, next_explore=5, warmed=True, seen=0.0)
+        now, rounds = 0.0, []
+        while not rounds or modes.epoch == rounds[0].epoch:  # the exploration's epoch, to its close
+            ticket = modes.begin(now, 4)
+            rounds.append(ticket)
+            modes.end(ticket, tokens=1, seconds=4 / off_tok_s)  # off's goodput at 4 requests
+            now += 0.25
+        assert rounds[0].mode == "off"  # explored: the level had decided for the model (10 > 1.2 x 8.2)
+        modes.begin(now, 4)  # the next epoch: the decision
+        return modes
+
+    modes = explore_off(12.0)
     measured = modes.levels[level]
-    assert measured.off == pytest.approx(8.2 + 0.3 * 0.8)
+    assert measured.off == pytest.approx(8.2 + 0.3 * 3.8)  # 9.34: the model 1.07x, within keep_margin
+    assert modes.current == "off" and measured.decided == "off"
     assert measured.explore_every == modes.explore_every  # reset (counted as not overturning, it doubled to 20)
+    modes = explore_off(9.0)
+    measured = modes.levels[level]
+    assert measured.off == pytest.approx(8.2 + 0.3 * 0.8)  # 8.44: the model 1.18x, under model_margin
+    assert modes.current == "model" and measured.decided == "model"  # past keep_margin: kept
+    assert measured.explore_every == 2 * 10
+    # from off the model must lead by model_margin again
+    measured.decided = "off"
+    assert modes._best(measured) == "off"
 
 
 def test_an_epoch_measures_the_rounds_that_began_in_it_whole():
@@ -1360,6 +1378,60 @@ def test_off_is_not_measured_where_the_model_beats_its_prediction_widely():
     for tokens in (4, 20, 8, 16):
         load.observe_target(4, tokens, 0.8 + 0.03 * tokens)
     assert load.off_goodput() == pytest.approx(4 / (0.1 + 0.8 + 0.03 * 4), rel=0.05)
+
+
+def test_off_is_measured_only_where_the_requests_have_room_for_its_window():
+    """Code at 4 streams, 64-token answers (AVX-512 EPYC): two waves running the model switched to
+    off 17 s into their ~21-s decode to measure it for the first time; the requests finished
+    inside the window, the level changed, and off went unmeasured at the price of the waves'
+    last seconds of the model. While the model runs, off's measurement (a first one, an
+    exploration) begins only where the steered requests may still emit `off_room_epochs`
+    epochs of off's tokens each, an exploration `explore_off_room_epochs` (it must come back,
+    and pay back the catch-ups of what off emitted: at code 4 streams each one in mid-wave
+    turned the rest of its wave to off); a decision for off is no measurement and is not held
+    back."""
+    level = MeasuredModes.level(4)
+
+    def second_epoch(room: float | None, off_predicted: float | None = 5.0) -> str:
+        modes = MeasuredModes(epoch_s=4.0, off_margin=0.4, max_token_error=None)
+        assert four_request_epoch(modes, 0.0, 6, off_predicted=off_predicted, room_tokens=room) == "model"
+        return four_request_epoch(modes, 5.0, 6, off_predicted=off_predicted, room_tokens=room)
+
+    # off at 5 tok/s for 4 requests: 1.25 tokens a request-second, 10 for two 4-s epochs
+    assert second_epoch(room=40.0) == "off"
+    assert second_epoch(room=10.0) == "off"
+    assert second_epoch(room=9.0) == "model"  # the wave ends before off's window would
+    assert second_epoch(room=None) == "off"  # no bound on the requests
+    assert second_epoch(room=9.0, off_predicted=None) == "off"  # nothing says how fast off runs
+    # an exploration of off waits for room too (off measured at 5 tok/s: 10 tokens a request;
+    # predicted at 7, not far enough under the model's 8 to skip off); the model's decision runs on
+    modes = MeasuredModes(epoch_s=4.0, explore_every=2, max_token_error=None)
+    measured = modes._measured(level)
+    measured.model, measured.off, measured.lead, measured.pairs = 8.0, 5.0, 1.6, 1
+    measured.epochs = measured.next_explore = 6
+    modes.current = "model"
+    assert modes.begin(0.0, 4, off_predicted=7.0, room_tokens=9.0).mode == "model"
+    assert modes.begin(0.1, 4, off_predicted=7.0, room_tokens=9.0).mode == "model"  # same epoch
+    modes = MeasuredModes(epoch_s=4.0, explore_every=2, max_token_error=None)
+    measured = modes._measured(level)
+    measured.model, measured.off, measured.lead, measured.pairs = 8.0, 5.0, 1.6, 1
+    measured.epochs = measured.next_explore = 6
+    modes.current = "model"
+    ticket = modes.begin(0.0, 4, off_predicted=7.0, room_tokens=40.0)
+    assert ticket.mode == "off" and modes._exploring
+    # ... and it must come back: room for `explore_off_room_epochs` (4: 20 tokens), not 2
+    modes = MeasuredModes(epoch_s=4.0, explore_every=2, max_token_error=None)
+    measured = modes._measured(level)
+    measured.model, measured.off, measured.lead, measured.pairs = 8.0, 5.0, 1.6, 1
+    measured.epochs = measured.next_explore = 6
+    modes.current = "model"
+    assert modes.begin(0.0, 4, off_predicted=7.0, room_tokens=15.0).mode == "model"
+    # where off is the decision the room does not matter: switching to it costs nothing
+    modes = MeasuredModes(epoch_s=4.0, max_token_error=None)
+    measured = modes._measured(level)
+    measured.model, measured.off, measured.lead, measured.pairs = 5.2, 5.0, 1.04, 1
+    modes.current = "model"
+    assert modes.begin(0.0, 4, off_predicted=5.0, room_tokens=2.0).mode == "off"
 
 
 def test_off_is_predicted_from_the_decode_passes_the_target_timed_not_from_the_model_s_rounds():
