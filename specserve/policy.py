@@ -1416,7 +1416,9 @@ class MeasuredModes:
         # off is measured at once (switching to it costs nothing), but not while the model's
         # requests owe catch-ups where the model is expected to win: off would leave them owed,
         # and the switch back would pay them all
-        measure_off = (not off_loses and self._room_for_off(measured, in_flight)
+        # (a prompt prefilling brings its room: at a wave's start the room's average still counted
+        # the last wave's ending requests)
+        measure_off = (not off_loses and (prefilling or self._room_for_off(measured, in_flight))
                        and not (catching_up and self.current == "model" and self._model_expected_to_win(measured)))
         if measured.off is None and measure_off:
             return "off", False
@@ -1445,7 +1447,10 @@ class MeasuredModes:
         code 4 streams on an AVX-512 EPYC (64-token answers), two waves running the model
         switched to off 17 s into their ~21-s decode to measure it for the first time, the
         requests finished within the window, and off went unmeasured at the price of the
-        waves' last seconds of the model. An exploration of off asks for more
+        waves' last seconds of the model. Not asked while a prompt prefills (`_next`): arrivals
+        bring room, and at a wave's start the average still counted the last wave's ending
+        requests (code 4 streams: the second wave ran the model for 17 s on a room of ~32, its
+        new requests' 64 and its predecessor's 1, where off was due first). An exploration of off asks for more
         (`explore_off_room_epochs`): it must come back, and the catch-ups of what off emitted pay
         back only over the time left after it (at code 4 streams every exploration of off in
         mid-wave turned the rest of its wave to off, the way back not paying, and such waves ran

@@ -238,6 +238,32 @@ def test_bench_interleaves_passes_and_keeps_vllms_fastest_settings(tiny_pair, tm
     assert (out / "batch_throughput.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_run_on_uncommitted_code_says_so(tmp_path):
+    """The report names the commit it measured; edits to specserve/ not yet committed mark it
+    "+modified" (a policy tried before committing ran as the commit's own in earlier reports).
+    Other files (docs, tests, untracked ones) do not."""
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    assert suite.git_commit(tmp_path) == "unknown"  # not a checkout
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "empty")
+    (tmp_path / "specserve").mkdir()
+    (tmp_path / "specserve" / "policy.py").write_text("margin = 0.2\n")
+    (tmp_path / "README.md").write_text("docs\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "code")
+    commit = suite.git_commit(tmp_path)
+    assert len(commit) >= 7 and "+" not in commit
+    (tmp_path / "README.md").write_text("docs, edited\n")
+    (tmp_path / "specserve" / "new.py").write_text("")  # untracked
+    assert suite.git_commit(tmp_path) == commit
+    (tmp_path / "specserve" / "policy.py").write_text("margin = 0.1\n")
+    assert suite.git_commit(tmp_path) == commit + "+modified"
+
+
 def test_compare_flags_mismatches_and_speedups():
     none = _run("specserve none", "specserve", "none", 2.0, [1, 2, 3])
     fast = _run("specserve draft k=4", "specserve", "draft", 1.0, [1, 2, 3])

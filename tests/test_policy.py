@@ -1403,35 +1403,33 @@ def test_off_is_measured_only_where_the_requests_have_room_for_its_window():
     assert second_epoch(room=9.0) == "model"  # the wave ends before off's window would
     assert second_epoch(room=None) == "off"  # no bound on the requests
     assert second_epoch(room=9.0, off_predicted=None) == "off"  # nothing says how fast off runs
+    # a prompt prefilling (a wave arriving) brings room the average may not show yet
+    modes = MeasuredModes(epoch_s=4.0, off_margin=0.4, max_token_error=None)
+    assert four_request_epoch(modes, 0.0, 6, off_predicted=5.0, room_tokens=9.0) == "model"
+    assert modes.begin(5.0, 4, off_predicted=5.0, room_tokens=9.0, prefilling=True).mode == "off"
+    def running_model(lead: float, due: bool) -> MeasuredModes:
+        """A level that decided for the model (off measured at 5 tok/s), running it; `due`: an
+        exploration of off falls due."""
+        modes = MeasuredModes(epoch_s=4.0, explore_every=2, max_token_error=None)
+        measured = modes._measured(level)
+        measured.model, measured.off, measured.lead, measured.pairs = 5.0 * lead, 5.0, lead, 1
+        if due:
+            measured.epochs = measured.next_explore = 6
+        modes.current = "model"
+        return modes
+
     # an exploration of off waits for room too (off measured at 5 tok/s: 10 tokens a request;
     # predicted at 7, not far enough under the model's 8 to skip off); the model's decision runs on
-    modes = MeasuredModes(epoch_s=4.0, explore_every=2, max_token_error=None)
-    measured = modes._measured(level)
-    measured.model, measured.off, measured.lead, measured.pairs = 8.0, 5.0, 1.6, 1
-    measured.epochs = measured.next_explore = 6
-    modes.current = "model"
+    modes = running_model(1.6, due=True)
     assert modes.begin(0.0, 4, off_predicted=7.0, room_tokens=9.0).mode == "model"
     assert modes.begin(0.1, 4, off_predicted=7.0, room_tokens=9.0).mode == "model"  # same epoch
-    modes = MeasuredModes(epoch_s=4.0, explore_every=2, max_token_error=None)
-    measured = modes._measured(level)
-    measured.model, measured.off, measured.lead, measured.pairs = 8.0, 5.0, 1.6, 1
-    measured.epochs = measured.next_explore = 6
-    modes.current = "model"
+    modes = running_model(1.6, due=True)
     ticket = modes.begin(0.0, 4, off_predicted=7.0, room_tokens=40.0)
     assert ticket.mode == "off" and modes._exploring
     # ... and it must come back: room for `explore_off_room_epochs` (4: 20 tokens), not 2
-    modes = MeasuredModes(epoch_s=4.0, explore_every=2, max_token_error=None)
-    measured = modes._measured(level)
-    measured.model, measured.off, measured.lead, measured.pairs = 8.0, 5.0, 1.6, 1
-    measured.epochs = measured.next_explore = 6
-    modes.current = "model"
-    assert modes.begin(0.0, 4, off_predicted=7.0, room_tokens=15.0).mode == "model"
+    assert running_model(1.6, due=True).begin(0.0, 4, off_predicted=7.0, room_tokens=15.0).mode == "model"
     # where off is the decision the room does not matter: switching to it costs nothing
-    modes = MeasuredModes(epoch_s=4.0, max_token_error=None)
-    measured = modes._measured(level)
-    measured.model, measured.off, measured.lead, measured.pairs = 5.2, 5.0, 1.04, 1
-    modes.current = "model"
-    assert modes.begin(0.0, 4, off_predicted=5.0, room_tokens=2.0).mode == "off"
+    assert running_model(1.04, due=False).begin(0.0, 4, off_predicted=5.0, room_tokens=2.0).mode == "off"
 
 
 def test_off_is_predicted_from_the_decode_passes_the_target_timed_not_from_the_model_s_rounds():

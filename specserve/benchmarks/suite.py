@@ -548,16 +548,25 @@ def machine_info(args: argparse.Namespace) -> dict:
         memory = round(int(meminfo.split("MemTotal:")[1].split()[0]) / 2**20, 1)
     except (OSError, IndexError, ValueError):
         pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        commit = "unknown"
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory,
             "load_average_at_start": round(os.getloadavg()[0], 2),  # other work on the machine skews timings
             "platform": platform.platform(),
             "python": platform.python_version(), "torch": _version("torch"), "transformers": _version("transformers"),
-            "ray": _version("ray"), "vllm": "not used", "dtype": args.dtype, "git_commit": commit}
+            "ray": _version("ray"), "vllm": "not used", "dtype": args.dtype, "git_commit": git_commit()}
+
+
+def git_commit(cwd: str | Path | None = None) -> str:
+    """The checkout's short commit, with "+modified" where tracked files under specserve/
+    differ from it: a run on uncommitted code must not pass for the commit's own."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=cwd).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        if not commit:
+            return "unknown"
+        return commit + ("+modified" if git("status", "--porcelain", "--untracked-files=no", "--", "specserve") else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
 
 
 def write_outputs(doc: dict, out: Path, docs: str | None) -> None:
