@@ -893,9 +893,8 @@ class MeasuredModes:
     after `explore_every` epochs at a level; one that leaves the decision as it was (ties
     included) doubles the wait, up to `max_explore_every`, one that overturns it resets it, and
     one that measured nothing goes on for up to `explore_retries` more epochs. No exploration
-    begins while a prompt prefills, and off is measured while the model runs (a first
-    measurement, an exploration) only where the steered requests have room left for its window
-    (`off_room_epochs`): a wave's end thins the level and its epoch measures nothing.
+    begins while a prompt prefills, and off is explored while the model runs only where the
+    steered requests have room left for its window and the way back (`explore_off_room_epochs`).
 
     Switching to the model costs: every request's draft pool catches up on all it emitted off,
     a burst of prefills on the cores the target uses. So such a switch opens with a warm-up that
@@ -1045,11 +1044,8 @@ class MeasuredModes:
     # within this of the first's close (a switch to the model warms up first: 5-12 s here, at
     # most max_warm_up_epochs x epoch_s) and their mean requests in flight differ by at most this share
     pair_gap_s: float = 45.0
-    # off is measured while the model runs only where the steered requests may still emit this
-    # many epochs of off's tokens each (see `_room_for_off`): its window, and as long again for a
-    # wave's requests, which finish apart under the model, to stay at the level
-    off_room_epochs: float = 2.0
-    # ... and an exploration of off, which must also come back and pay its catch-ups back, this many
+    # off is explored while the model runs only where the steered requests may still emit this
+    # many epochs of off's tokens each (see `_room_for_off`): its window, and room to come back
     explore_off_room_epochs: float = 4.0
     pair_in_flight_tolerance: float = 0.15
     stale_s: float = 3600.0  # a level where no round began for this long starts afresh
@@ -1416,10 +1412,8 @@ class MeasuredModes:
         # off is measured at once (switching to it costs nothing), but not while the model's
         # requests owe catch-ups where the model is expected to win: off would leave them owed,
         # and the switch back would pay them all
-        # (a prompt prefilling brings its room: at a wave's start the room's average still counted
-        # the last wave's ending requests)
-        measure_off = (not off_loses and (prefilling or self._room_for_off(measured, in_flight))
-                       and not (catching_up and self.current == "model" and self._model_expected_to_win(measured)))
+        measure_off = not off_loses and not (catching_up and self.current == "model"
+                                             and self._model_expected_to_win(measured))
         if measured.off is None and measure_off:
             return "off", False
         best = self._best(measured)
@@ -1432,37 +1426,30 @@ class MeasuredModes:
         if (not prefilling and measured.epochs >= measured.next_explore
                 and measured.clock >= measured.explore_after
                 and (self._switch_fits(measured) and self._pays_back(measured, in_flight, bet) if other == "model"
-                     else measure_off and self._room_for_off(measured, in_flight, self.explore_off_room_epochs))):
+                     else measure_off and self._room_for_off(measured, in_flight))):
             return other, True
         if best == "model" and not self._pays_back(measured, in_flight):
             return "off", False  # the estimates favour the model, but not by enough to pay for the switch
         return best, False
 
-    def _room_for_off(self, measured: _ModeGoodput, in_flight: int, epochs: float | None = None) -> bool:
-        """Whether the steered requests have room left for a measurement of off to finish: while
-        the model runs, off's epoch (a first measurement, an exploration) begins only where they
-        may still emit `epochs` (`off_room_epochs` unless given) x `epoch_s` of off's tokens per request (`room_tokens`,
-        at off's goodput, measured or predicted, per request in flight). A wave's end thins the
-        level before the window closes, and an epoch whose level changed measures nothing: at
-        code 4 streams on an AVX-512 EPYC (64-token answers), two waves running the model
-        switched to off 17 s into their ~21-s decode to measure it for the first time, the
-        requests finished within the window, and off went unmeasured at the price of the
-        waves' last seconds of the model. Not asked while a prompt prefills (`_next`): arrivals
-        bring room, and at a wave's start the average still counted the last wave's ending
-        requests (code 4 streams: the second wave ran the model for 17 s on a room of ~32, its
-        new requests' 64 and its predecessor's 1, where off was due first). An exploration of off asks for more
-        (`explore_off_room_epochs`): it must come back, and the catch-ups of what off emitted pay
-        back only over the time left after it (at code 4 streams every exploration of off in
+    def _room_for_off(self, measured: _ModeGoodput, in_flight: int) -> bool:
+        """Whether the steered requests have room left for an exploration of off while the model
+        runs: they may still emit `explore_off_room_epochs` x `epoch_s` of off's tokens per request
+        (`room_tokens`, at off's goodput, measured or predicted, per request in flight). It must
+        come back, and the catch-ups of what off emitted pay back only over the time left after
+        it: at code 4 streams on an AVX-512 EPYC (64-token answers) every exploration of off in
         mid-wave turned the rest of its wave to off, the way back not paying, and such waves ran
-        ~10% below both fixed settings). True where off runs already, the room is not known, or
-        neither of off's goodputs is."""
+        ~10% below both fixed settings. A first measurement of off is not held back so (at that
+        level it then never came: the room was short in mid-wave, and at a wave's arrivals off's
+        prediction, at the few requests in flight so far, put the model ahead, and chat ran
+        0.80x always off, never measuring it). True where off runs already, the room is not
+        known, or neither of off's goodputs is."""
         if self.current == "off" or self._room_tokens is None:
             return True
         off = measured.off or self._off_predicted
         if not off:
             return True
-        epochs = self.off_room_epochs if epochs is None else epochs
-        return self._room_tokens >= epochs * self.epoch_s * off / max(in_flight, 1)
+        return self._room_tokens >= self.explore_off_room_epochs * self.epoch_s * off / max(in_flight, 1)
 
     def _model_expected_to_win(self, measured: _ModeGoodput) -> bool:
         """Whether the level is expected to decide for the model: by its lead where off measured,
