@@ -1440,10 +1440,9 @@ class MeasuredModes:
         it: at code 4 streams on an AVX-512 EPYC (64-token answers) every exploration of off in
         mid-wave turned the rest of its wave to off, the way back not paying, and such waves ran
         ~10% below both fixed settings. A first measurement of off is not held back so (at that
-        level it then never came: the room was short in mid-wave, and at a wave's arrivals off's
-        prediction, at the few requests in flight so far, put the model ahead, and chat ran
-        0.80x always off, never measuring it). True where off runs already, the room is not
-        known, or neither of off's goodputs is."""
+        level it then never came: the room was short in mid-wave, and the waves' first rounds ran
+        the model; chat ran 0.80x always off, never measuring it). True where off runs already,
+        the room is not known, or neither of off's goodputs is."""
         if self.current == "off" or self._room_tokens is None:
             return True
         off = measured.off or self._off_predicted
