@@ -1026,6 +1026,9 @@ class MeasuredModes:
     max_window_epochs: float = 5.0
     min_in_flight: int = 3
     explore_retries: int = 2  # epochs an exploration goes on while its epochs measure nothing
+    # off is explored while the model runs only where the steered requests may still emit this
+    # many epochs of off's tokens each (see `_room_to_explore_off`): its window, and room to come back
+    explore_off_room_epochs: float = 4.0
     # the longest warm-up after a switch to the model: with the catch-ups in the background
     # (RequestState.draft_sync_due) the target keeps emitting meanwhile, and 16 of them take
     # ~45 s of a 2-core CPU's draft pool
@@ -1044,9 +1047,6 @@ class MeasuredModes:
     # within this of the first's close (a switch to the model warms up first: 5-12 s here, at
     # most max_warm_up_epochs x epoch_s) and their mean requests in flight differ by at most this share
     pair_gap_s: float = 45.0
-    # off is explored while the model runs only where the steered requests may still emit this
-    # many epochs of off's tokens each (see `_room_for_off`): its window, and room to come back
-    explore_off_room_epochs: float = 4.0
     pair_in_flight_tolerance: float = 0.15
     stale_s: float = 3600.0  # a level where no round began for this long starts afresh
     yield_weight: float = 0.1  # a steered round's weight in the yield expected now (~the last 10 rounds)
@@ -1426,13 +1426,13 @@ class MeasuredModes:
         if (not prefilling and measured.epochs >= measured.next_explore
                 and measured.clock >= measured.explore_after
                 and (self._switch_fits(measured) and self._pays_back(measured, in_flight, bet) if other == "model"
-                     else measure_off and self._room_for_off(measured, in_flight))):
+                     else measure_off and self._room_to_explore_off(measured, in_flight))):
             return other, True
         if best == "model" and not self._pays_back(measured, in_flight):
             return "off", False  # the estimates favour the model, but not by enough to pay for the switch
         return best, False
 
-    def _room_for_off(self, measured: _ModeGoodput, in_flight: int) -> bool:
+    def _room_to_explore_off(self, measured: _ModeGoodput, in_flight: int) -> bool:
         """Whether the steered requests have room left for an exploration of off while the model
         runs: they may still emit `explore_off_room_epochs` x `epoch_s` of off's tokens per request
         (`room_tokens`, at off's goodput, measured or predicted, per request in flight). It must

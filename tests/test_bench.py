@@ -8,6 +8,7 @@ import fnmatch
 import itertools
 import json
 import pathlib
+import subprocess
 
 import pytest
 
@@ -242,8 +243,6 @@ def test_a_run_on_uncommitted_code_says_so(tmp_path):
     """The report names the commit it measured; edits to specserve/ not yet committed mark it
     "+modified" (a policy tried before committing ran as the commit's own in earlier reports).
     Other files (docs, tests, untracked ones) do not."""
-    import subprocess
-
     def git(*args: str) -> None:
         subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
 
