@@ -893,8 +893,13 @@ class MeasuredModes:
     after `explore_every` epochs at a level; one that leaves the decision as it was (ties
     included) doubles the wait, up to `max_explore_every`, one that overturns it resets it, and
     one that measured nothing goes on for up to `explore_retries` more epochs. No exploration
-    begins while a prompt prefills, and off is explored while the model runs only where the
-    steered requests have room left for its window and the way back (`explore_off_room_epochs`).
+    begins while a prompt prefills, and none begins where the steered requests lack the room
+    (tokens left to emit) for it: off while the model runs, for its window and the way back
+    (`explore_off_room_epochs`); the model while off runs, for its warm-up and its window
+    (`explore_model_room_epochs`). An exploration that runs into its wave's tail measures
+    nothing, or measures the tail: at chat 4 streams one of the model began with 51 tokens
+    left per request, warmed up on the draft pools' catch-ups as the first requests ended, and
+    measured nothing.
 
     Switching to the model costs: every request's draft pool catches up on all it emitted off,
     a burst of prefills on the cores the target uses. So such a switch opens with a warm-up that
@@ -1026,9 +1031,11 @@ class MeasuredModes:
     max_window_epochs: float = 5.0
     min_in_flight: int = 3
     explore_retries: int = 2  # epochs an exploration goes on while its epochs measure nothing
-    # off is explored while the model runs only where the steered requests may still emit this
-    # many epochs of off's tokens each (see `_room_to_explore_off`): its window, and room to come back
+    # an exploration begins only where the steered requests may still emit this many epochs of
+    # the explored mode's tokens each (see `_room_to_explore`): off, its window and room to come
+    # back (the catch-ups of what it emitted); the model, its warm-up and its window
     explore_off_room_epochs: float = 4.0
+    explore_model_room_epochs: float = 3.0
     # the longest warm-up after a switch to the model: with the catch-ups in the background
     # (RequestState.draft_sync_due) the target keeps emitting meanwhile, and 16 of them take
     # ~45 s of a 2-core CPU's draft pool
@@ -1425,30 +1432,37 @@ class MeasuredModes:
         # have far more to catch up now than at the last switch
         if (not prefilling and measured.epochs >= measured.next_explore
                 and measured.clock >= measured.explore_after
+                and self._room_to_explore(measured, other, in_flight)
                 and (self._switch_fits(measured) and self._pays_back(measured, in_flight, bet) if other == "model"
-                     else measure_off and self._room_to_explore_off(measured, in_flight))):
+                     else measure_off)):
             return other, True
         if best == "model" and not self._pays_back(measured, in_flight):
             return "off", False  # the estimates favour the model, but not by enough to pay for the switch
         return best, False
 
-    def _room_to_explore_off(self, measured: _ModeGoodput, in_flight: int) -> bool:
-        """Whether the steered requests have room left for an exploration of off while the model
-        runs: they may still emit `explore_off_room_epochs` x `epoch_s` of off's tokens per request
-        (`room_tokens`, at off's goodput, measured or predicted, per request in flight). It must
-        come back, and the catch-ups of what off emitted pay back only over the time left after
-        it: at code 4 streams on an AVX-512 EPYC (64-token answers) every exploration of off in
-        mid-wave turned the rest of its wave to off, the way back not paying, and such waves ran
-        ~10% below both fixed settings. A first measurement of off is not held back so (at that
-        level it then never came: the room was short in mid-wave, and the waves' first rounds ran
-        the model; chat ran 0.80x always off, never measuring it). True where off runs already,
-        the room is not known, or neither of off's goodputs is."""
-        if self.current == "off" or self._room_tokens is None:
+    def _room_to_explore(self, measured: _ModeGoodput, mode: str, in_flight: int) -> bool:
+        """Whether the steered requests have room left for an exploration of `mode`: they may
+        still emit its `explore_*_room_epochs` x `epoch_s` of its tokens per request (`room_tokens`,
+        at the mode's goodput per request in flight: off's measured or predicted, the model's
+        estimate). Off must come back, and the catch-ups of what off emitted pay back only over
+        the time left after it: at code 4 streams on an AVX-512 EPYC (64-token answers) every
+        exploration of off in mid-wave turned the rest of its wave to off, the way back not
+        paying, and such waves ran ~10% below both fixed settings. The model warms up before its
+        window opens: at chat 4 streams an exploration of it began with 51 tokens left per
+        request (~2 epochs of its 6.2 tok/s a request) and measured nothing as the wave thinned.
+        A first measurement is not held back so (off's then never came at that level: the room
+        was short in mid-wave, and the waves' first rounds ran the model; chat ran 0.80x always
+        off, never measuring it). True where the mode runs already, the room is not known, or
+        the mode's goodput is not."""
+        if self.current == mode or self._room_tokens is None:
             return True
-        off = measured.off or self._off_predicted
-        if not off:
+        if mode == "off":
+            goodput, epochs = measured.off or self._off_predicted, self.explore_off_room_epochs
+        else:
+            goodput, epochs = self.model_estimate(measured), self.explore_model_room_epochs
+        if not goodput:
             return True
-        return self._room_tokens >= self.explore_off_room_epochs * self.epoch_s * off / max(in_flight, 1)
+        return self._room_tokens >= epochs * self.epoch_s * goodput / max(in_flight, 1)
 
     def _model_expected_to_win(self, measured: _ModeGoodput) -> bool:
         """Whether the level is expected to decide for the model: by its lead where off measured,

@@ -1380,6 +1380,18 @@ def test_off_is_not_measured_where_the_model_beats_its_prediction_widely():
     assert load.off_goodput() == pytest.approx(4 / (0.1 + 0.8 + 0.03 * 4), rel=0.05)
 
 
+def running_decided(lead: float, due: bool, in_flight: int = 4) -> MeasuredModes:
+    """A level that measured off at 5 tok/s and the model at `lead` times that (one pair),
+    running the mode it decided for; `due`: an exploration of the other falls due."""
+    modes = MeasuredModes(epoch_s=4.0, explore_every=2, max_token_error=None)
+    measured = modes._measured(MeasuredModes.level(in_flight))
+    measured.model, measured.off, measured.lead, measured.pairs = 5.0 * lead, 5.0, lead, 1
+    if due:
+        measured.epochs = measured.next_explore = 6
+    modes.current = modes._best(measured)
+    return modes
+
+
 def test_off_is_explored_only_where_the_requests_have_room_to_come_back():
     """Code at 4 streams, 64-token answers (AVX-512 EPYC): once off ran in mid-wave, switching
     back did not pay back the draft pools' catch-ups of what it emitted, so every exploration of
@@ -1388,8 +1400,6 @@ def test_off_is_explored_only_where_the_requests_have_room_to_come_back():
     `explore_off_room_epochs` epochs of off's tokens each. A first measurement of off is not
     held back (held back, it never came at chat 4 streams: 0.80x always off), nor is a
     decision for off."""
-    level = MeasuredModes.level(4)
-
     def second_epoch(room: float | None) -> str:
         modes = MeasuredModes(epoch_s=4.0, off_margin=0.4, max_token_error=None)
         assert four_request_epoch(modes, 0.0, 6, off_predicted=5.0, room_tokens=room) == "model"
@@ -1398,31 +1408,35 @@ def test_off_is_explored_only_where_the_requests_have_room_to_come_back():
     assert second_epoch(room=40.0) == "off"  # off's first measurement ...
     assert second_epoch(room=1.0) == "off"  # ... whatever the room
 
-    def running_model(lead: float, due: bool) -> MeasuredModes:
-        """A level that decided for the model (off measured at 5 tok/s), running it; `due`: an
-        exploration of off falls due."""
-        modes = MeasuredModes(epoch_s=4.0, explore_every=2, max_token_error=None)
-        measured = modes._measured(level)
-        measured.model, measured.off, measured.lead, measured.pairs = 5.0 * lead, 5.0, lead, 1
-        if due:
-            measured.epochs = measured.next_explore = 6
-        modes.current = "model"
-        return modes
-
     # an exploration of off waits for room (off measured at 5 tok/s: 1.25 tokens a request-second,
     # 20 for four 4-s epochs; predicted at 7, not far enough under the model's 8 to skip off); the
     # model's decision runs on
-    modes = running_model(1.6, due=True)
+    modes = running_decided(1.6, due=True)
     assert modes.begin(0.0, 4, off_predicted=7.0, room_tokens=9.0).mode == "model"
     assert modes.begin(0.1, 4, off_predicted=7.0, room_tokens=9.0).mode == "model"  # same epoch
-    modes = running_model(1.6, due=True)
+    modes = running_decided(1.6, due=True)
     ticket = modes.begin(0.0, 4, off_predicted=7.0, room_tokens=40.0)
     assert ticket.mode == "off" and modes._exploring
-    assert running_model(1.6, due=True).begin(0.0, 4, off_predicted=7.0, room_tokens=19.0).mode == "model"
-    assert running_model(1.6, due=True).begin(0.0, 4, off_predicted=7.0, room_tokens=20.0).mode == "off"
-    assert running_model(1.6, due=True).begin(0.0, 4, off_predicted=7.0, room_tokens=None).mode == "off"
+    assert running_decided(1.6, due=True).begin(0.0, 4, off_predicted=7.0, room_tokens=19.0).mode == "model"
+    assert running_decided(1.6, due=True).begin(0.0, 4, off_predicted=7.0, room_tokens=20.0).mode == "off"
+    assert running_decided(1.6, due=True).begin(0.0, 4, off_predicted=7.0, room_tokens=None).mode == "off"
     # where off is the decision the room does not matter: switching to it costs nothing
-    assert running_model(1.04, due=False).begin(0.0, 4, off_predicted=5.0, room_tokens=2.0).mode == "off"
+    assert running_decided(1.04, due=False).begin(0.0, 4, off_predicted=5.0, room_tokens=2.0).mode == "off"
+
+
+def test_the_model_is_explored_only_where_the_requests_have_room_for_its_warm_up_and_window():
+    """Chat at 4 streams (AVX-512 EPYC), off decided: an exploration of the model began with 51
+    tokens left per request, warmed up on the draft pools' catch-ups while the wave's first
+    requests ended, and its window measured nothing (0.93x always off). It begins only where the
+    steered requests may still emit `explore_model_room_epochs` epochs of the model's tokens each."""
+    # the model estimated at 5.2 tok/s at 4 requests: 1.3 tokens a request-second, 15.6 for three 4-s epochs
+    assert running_decided(1.04, due=True).current == "off"
+    assert running_decided(1.04, due=True).begin(0.0, 4, off_predicted=5.0, room_tokens=15.0).mode == "off"
+    modes = running_decided(1.04, due=True)
+    assert modes.begin(0.0, 4, off_predicted=5.0, room_tokens=16.0).mode == "model" and modes._exploring
+    assert running_decided(1.04, due=True).begin(0.0, 4, off_predicted=5.0, room_tokens=None).mode == "model"
+    # not due: off runs whatever the room
+    assert running_decided(1.04, due=False).begin(0.0, 4, off_predicted=5.0, room_tokens=90.0).mode == "off"
 
 
 def test_off_is_predicted_from_the_decode_passes_the_target_timed_not_from_the_model_s_rounds():
