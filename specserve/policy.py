@@ -282,8 +282,10 @@ class LoadModel:
             return self.draft_overhead_s
         return self.overhead_s
 
-    def off_goodput(self) -> float | None:
-        """Tokens per second every request in flight would emit together with speculation off:
+    def off_goodput(self, in_flight: float | None = None) -> float | None:
+        """Tokens per second every request in flight (or `in_flight` requests, where given: the
+        load an epoch decides at, MeasuredModes.deciding_load) would emit together with
+        speculation off:
         one each per target pass, all of them in that pass (a round of every request is then
         one decode pass, which a continuous batcher fills), plus off's round overhead. Off is the
         mode whose costs the model sees whole (no draft pool, no catch-ups).
@@ -296,12 +298,13 @@ class LoadModel:
         known (a round trip is ~0.03 s against a CPU pass's 0.4-0.8 s; the model's target-only
         rounds, which wait on other requests' verifies, measured 0.14-0.38 s), else the
         target-only rounds'. None before the target's first reply or timed passes."""
+        in_flight = self.in_flight if in_flight is None else in_flight
         if self.decode is not None:
-            return self.in_flight / ((self.off_overhead_s or 0.0) + self.decode.predict(self.in_flight))
+            return in_flight / ((self.off_overhead_s or 0.0) + self.decode.predict(in_flight))
         if not self.target.observed:
             return None
         overhead = self.off_overhead_s if self.off_overhead_s is not None else self.round_overhead(draft_call=False)
-        return self.in_flight / (overhead + self.target.predict(self.in_flight))
+        return in_flight / (overhead + self.target.predict(in_flight))
 
 
 @dataclass
@@ -1092,6 +1095,19 @@ class MeasuredModes:
         2-3 and 4-7 and each flip dropped the epoch."""
         return max(0, round(math.log2(in_flight))) if in_flight >= 1 else 0
 
+    @staticmethod
+    def deciding_load(in_flight: int, *, first_round: bool = False, peak_in_flight: int | None = None) -> int:
+        """The requests in flight a round's mode is decided at: its own count, or for a first
+        round the most in flight lately where more (see "Bursts"). `begin`'s `off_predicted` must
+        be off's goodput at this load: at 1 in flight, where a wave's first round begins, off was
+        predicted at a quarter of what the 4-stream level's model measured, so off "clearly
+        lost", the wave ran the model, and off's first measurement waited for the wave's tail
+        (code 4 on an AVX-512 EPYC: two waves of the model each ending in off epochs that
+        measured nothing)."""
+        if first_round and peak_in_flight is not None:
+            return max(in_flight, peak_in_flight)
+        return in_flight
+
     def measures(self, in_flight: int) -> bool:
         """Whether this many requests in flight are a level these epochs measure. There the
         epochs are the exploration, and a request does not also probe from off: on this CPU a
@@ -1124,7 +1140,8 @@ class MeasuredModes:
         `first_round`: this round prefills its prompt (never counted); `switch_cost_s`: what
         switching the requests to the model would cost now (the draft pools' catch-ups,
         predicted; 0 without a draft pool); `off_predicted`: the goodput off would have now
-        (LoadModel.off_goodput; None: not known, so off is measured); `model_yield`: the tokens
+        at the load the round decides at (LoadModel.off_goodput at `deciding_load`; None: not
+        known, so off is measured); `model_yield`: the tokens
         this request's round would emit on average if it speculated as the model does (its
         acceptance; None: not known), see "Acceptance"; `room_tokens`: the tokens the steered
         requests may still emit, on average (their max_tokens left; None: unbounded), the time a
@@ -1137,8 +1154,7 @@ class MeasuredModes:
         if model_yield is not None:
             self.yield_now = (model_yield if self.yield_now is None
                               else self.yield_now + self.yield_weight * (model_yield - self.yield_now))
-        if first_round and peak_in_flight is not None:  # see "Bursts"
-            in_flight = max(in_flight, peak_in_flight)
+        in_flight = self.deciding_load(in_flight, first_round=first_round, peak_in_flight=peak_in_flight)
         level = self.level(in_flight) if self.measures(in_flight) else 0
         self._advance(now, level, in_flight, prefilling, catching_up)
         counted = self._window and not first_round
@@ -1451,8 +1467,8 @@ class MeasuredModes:
         window opens: at chat 4 streams an exploration of it began with 51 tokens left per
         request (~2 epochs of its 6.2 tok/s a request) and measured nothing as the wave thinned.
         A first measurement is not held back so (off's then never came at that level: the room
-        was short in mid-wave, and the waves' first rounds ran the model; chat ran 0.80x always
-        off, never measuring it). True where the mode runs already, the room is not known, or
+        was short in mid-wave, and the waves' first rounds ran the model, off predicted at their
+        own count: `deciding_load`; chat ran 0.80x always off, never measuring it). True where the mode runs already, the room is not known, or
         the mode's goodput is not."""
         if self.current == mode or self._room_tokens is None:
             return True

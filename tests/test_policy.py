@@ -2007,3 +2007,30 @@ def test_a_bursts_first_rounds_decide_at_the_load_it_enters_into():
     # a peak below the burst's own count does not hold it back
     assert modes_of_a_burst(8) == ["off"] * 11 + ["model"] * 5
 
+
+def test_a_wave_s_first_round_predicts_off_at_the_load_it_decides_at():
+    """Code at 4 streams (AVX-512 EPYC): the level's first look measured the model at 17.4
+    tok/s, off not yet. The next wave's first round decided at the recent peak, 4 in flight,
+    but off was predicted at its own count, 1: ~5 tok/s, so off "clearly lost", the whole wave
+    ran the model, and off's first measurement fell in the wave's tail, measuring nothing, wave
+    after wave. Predicted at the load the round decides at (`deciding_load`), off is measured
+    from the wave's start."""
+    load = LoadModel(in_flight=1, decode=DecodeCurve(((1, 0.20), (2, 0.205), (4, 0.22), (8, 0.30))))
+    assert load.off_goodput() == pytest.approx(5.0)
+    assert load.off_goodput(4) == pytest.approx(4 / 0.22)
+    assert MeasuredModes.deciding_load(1, first_round=True, peak_in_flight=4) == 4
+    assert MeasuredModes.deciding_load(1, first_round=False, peak_in_flight=4) == 1
+    assert MeasuredModes.deciding_load(6, first_round=True, peak_in_flight=4) == 6
+
+    def wave_start(off_predicted: float) -> str:
+        modes = MeasuredModes()
+        measured = modes._measured(MeasuredModes.level(4))
+        measured.model, measured.warmed, measured.measurements = 17.4, True, {"model": 1}
+        modes.current = "model"  # the last wave's tail ran below the measured levels
+        return modes.begin(100.0, 1, prefilling=True, catching_up=True, first_round=True, room_tokens=64.0,
+                           off_predicted=off_predicted, peak_in_flight=4).mode
+
+    deciding = MeasuredModes.deciding_load(1, first_round=True, peak_in_flight=4)
+    assert wave_start(load.off_goodput(deciding)) == "off"
+    assert wave_start(load.off_goodput()) == "model"  # predicted at 1 in flight: off never measured here
+
