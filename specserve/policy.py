@@ -1468,8 +1468,8 @@ class MeasuredModes:
         request (~2 epochs of its 6.2 tok/s a request) and measured nothing as the wave thinned.
         A first measurement is not held back so (off's then never came at that level: the room
         was short in mid-wave, and the waves' first rounds ran the model, off predicted at their
-        own count: `deciding_load`; chat ran 0.80x always off, never measuring it). True where the mode runs already, the room is not known, or
-        the mode's goodput is not."""
+        own count, see `deciding_load`; chat ran 0.80x always off, never measuring it). True
+        where the mode runs already, the room is not known, or the mode's goodput is not."""
         if self.current == mode or self._room_tokens is None:
             return True
         if mode == "off":
