@@ -1098,8 +1098,8 @@ class MeasuredModes:
     @staticmethod
     def deciding_load(in_flight: int, *, first_round: bool = False, peak_in_flight: int | None = None) -> int:
         """The requests in flight a round's mode is decided at: its own count, or for a first
-        round the most in flight lately where more (see "Bursts"). `begin`'s `off_predicted` must
-        be off's goodput at this load: at 1 in flight, where a wave's first round begins, off was
+        round the most in flight lately where more (see "Bursts"): `begin`'s `in_flight`.
+        `begin`'s `off_predicted` must be off's goodput at this load: at 1 in flight, where a wave's first round begins, off was
         predicted at a quarter of what the 4-stream level's model measured, so off "clearly
         lost", the wave ran the model, and off's first measurement waited for the wave's tail
         (code 4 on an AVX-512 EPYC: two waves of the model each ending in off epochs that
@@ -1131,8 +1131,7 @@ class MeasuredModes:
 
     def begin(self, now: float, in_flight: int, *, prefilling: bool = False, catching_up: bool = False,
               first_round: bool = False, switch_cost_s: float = 0.0, off_predicted: float | None = None,
-              model_yield: float | None = None, room_tokens: float | None = None,
-              peak_in_flight: int | None = None) -> RoundTicket:
+              model_yield: float | None = None, room_tokens: float | None = None) -> RoundTicket:
         """A round of a steered request begins now: its mode, "model" (the per-request policy
         decides) or "off". `prefilling`: a prompt prefill runs now (PrefillWatch.active, this
         round's own included); `catching_up`: a draft pool's catch-up runs now
@@ -1145,16 +1144,15 @@ class MeasuredModes:
         this request's round would emit on average if it speculated as the model does (its
         acceptance; None: not known), see "Acceptance"; `room_tokens`: the tokens the steered
         requests may still emit, on average (their max_tokens left; None: unbounded), the time a
-        switch to the model has to earn its catch-ups back in (see "Paying back");
-        `peak_in_flight`: the most requests in flight lately (RecentPeak), the load a first round
-        decides at where it is above `in_flight` (see "Bursts"). Hand the ticket to `end` when
-        the round ends, however it ends."""
+        switch to the model has to earn its catch-ups back in (see "Paying back"). `in_flight`
+        is the load the round decides at, `deciding_load`: for a first round, the most requests
+        in flight lately where more (see "Bursts"). Hand the ticket to `end` when the round
+        ends, however it ends."""
         self._switch_cost_s, self._off_predicted = switch_cost_s, off_predicted
         self._room_tokens = room_tokens
         if model_yield is not None:
             self.yield_now = (model_yield if self.yield_now is None
                               else self.yield_now + self.yield_weight * (model_yield - self.yield_now))
-        in_flight = self.deciding_load(in_flight, first_round=first_round, peak_in_flight=peak_in_flight)
         level = self.level(in_flight) if self.measures(in_flight) else 0
         self._advance(now, level, in_flight, prefilling, catching_up)
         counted = self._window and not first_round

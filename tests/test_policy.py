@@ -1997,8 +1997,8 @@ def test_a_bursts_first_rounds_decide_at_the_load_it_enters_into():
             measured.measurements, measured.epochs, measured.warmed = {"model": 3, "off": 3}, 10, True
             measured.next_explore = 40
         modes.current = "off"
-        return [modes.begin(1000.0 + n / 1000, n, prefilling=True, first_round=True, room_tokens=64.0,
-                            peak_in_flight=peak).mode for n in range(1, 17)]
+        return [modes.begin(1000.0 + n / 1000, MeasuredModes.deciding_load(n, first_round=True, peak_in_flight=peak),
+                            prefilling=True, first_round=True, room_tokens=64.0).mode for n in range(1, 17)]
 
     # by their own count requests 3 to 11 take the modes of the levels the burst passes through
     assert modes_of_a_burst(None) == ["model"] * 2 + ["off"] * 9 + ["model"] * 5
@@ -2022,15 +2022,16 @@ def test_a_wave_s_first_round_predicts_off_at_the_load_it_decides_at():
     assert MeasuredModes.deciding_load(1, first_round=False, peak_in_flight=4) == 1
     assert MeasuredModes.deciding_load(6, first_round=True, peak_in_flight=4) == 6
 
+    deciding = MeasuredModes.deciding_load(1, first_round=True, peak_in_flight=4)
+
     def wave_start(off_predicted: float) -> str:
         modes = MeasuredModes()
         measured = modes._measured(MeasuredModes.level(4))
         measured.model, measured.warmed, measured.measurements = 17.4, True, {"model": 1}
         modes.current = "model"  # the last wave's tail ran below the measured levels
-        return modes.begin(100.0, 1, prefilling=True, catching_up=True, first_round=True, room_tokens=64.0,
-                           off_predicted=off_predicted, peak_in_flight=4).mode
+        return modes.begin(100.0, deciding, prefilling=True, catching_up=True, first_round=True, room_tokens=64.0,
+                           off_predicted=off_predicted).mode
 
-    deciding = MeasuredModes.deciding_load(1, first_round=True, peak_in_flight=4)
     assert wave_start(load.off_goodput(deciding)) == "off"
     assert wave_start(load.off_goodput()) == "model"  # predicted at 1 in flight: off never measured here
 

@@ -59,7 +59,7 @@ def policy_seconds_per_round(spec: Speculation, streams: int, rounds: int, rng: 
         # the router's calls, in its order (serve/router.py `_rounds`)
         peak.observe(now, streams)
         deciding = modes.deciding_load(streams, first_round=False, peak_in_flight=peak.value(now))
-        ticket = modes.begin(now, streams, prefilling=False, catching_up=catch_up_owed(states), first_round=False,
+        ticket = modes.begin(now, deciding, prefilling=False, catching_up=catch_up_owed(states), first_round=False,
                              switch_cost_s=switch_cost_s(load, states), off_predicted=load.off_goodput(deciding),
                              model_yield=state.model_yield, room_tokens=room_tokens(states))
         measured_level = modes.measures(streams)

@@ -398,12 +398,11 @@ class Router(GrpcApi):
                 peak = self.peak_in_rounds.value(round_start)  # the load a wave's first rounds enter into
                 deciding = self.modes.deciding_load(self.in_rounds, first_round=prefill, peak_in_flight=peak)
                 # only requests the policy steers take part in (and are measured by) its epochs
-                ticket = (self.modes.begin(round_start, self.in_rounds, prefilling=self.prefills.active > 0 or prefill,
+                ticket = (self.modes.begin(round_start, deciding, prefilling=self.prefills.active > 0 or prefill,
                                            catching_up=self._catching_up(), first_round=prefill,
                                            switch_cost_s=switch_cost_s(self.load, self.steered.values()),
                                            off_predicted=self.load.off_goodput(deciding), model_yield=state.model_yield,
-                                           room_tokens=room_tokens(self.steered.values()),
-                                           peak_in_flight=peak)
+                                           room_tokens=room_tokens(self.steered.values()))
                           if state.adaptive else None)
                 mode = ticket.mode if ticket is not None else "model"
                 warming_up = ticket is not None and self.modes.warming_up
