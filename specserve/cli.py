@@ -135,7 +135,7 @@ def _tree_spec(args: argparse.Namespace):
             raise SpecserveError("--tree-shape takes JSON paths of child ranks, e.g. '[[0], [1], [0, 0]]', "
                                  "or a shape's name (mc_sim_7b_63)") from None
     return TreeSpec(budget=args.tree_budget, depth=args.tree_depth, width=args.tree_width,
-                    min_score=args.tree_min_score, shape=shape)
+                    min_score=args.tree_min_score, shape=shape, rerank=args.tree_rerank)
 
 
 def add_generate_parser(subparsers) -> None:
@@ -175,6 +175,10 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--tree-min-score", type=float, default=defaults.min_score,
                    help="--shape tree: skip nodes whose path probability under the draft is lower "
                         f"(default {defaults.min_score})")
+    p.add_argument("--tree-rerank", action="store_true",
+                   help="--shape tree, dynamic: grow --tree-width nodes a level to --tree-depth, then keep the "
+                        "--tree-budget best by path probability (EAGLE-2's reranking; sampled draft-model trees "
+                        "grow under the budget instead)")
     p.add_argument("--tree-shape", help="--shape tree: a static shape, JSON paths of child ranks, "
                                         "e.g. '[[0], [1], [0, 0]]', or a shape's name: mc_sim_7b_63 (Medusa's "
                                         "and Hydra's 63-node default) (default: dynamic)")

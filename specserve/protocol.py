@@ -201,6 +201,15 @@ class TreeSpec:
 
     Sampled requests draw a node's children without replacement from the draft's distribution
     (the shape decides only how many), which lossless multi-draft verification needs.
+
+    Reranked (`rerank`, dynamic only; EAGLE-2's reranking): the levels grow `width` children
+    each to `depth` levels whatever the budget, then the tree keeps the `budget` nodes of
+    highest score. A node never scores above its parent, so they always form a tree, and the
+    budget goes where the draft is sure at any depth rather than to each level in turn. Which
+    nodes stay then depends on the probabilities of tokens drawn after them, so a tree whose
+    children are drawn (a draft model's, for a sampled request) grows under the budget as
+    without it; trees of chosen candidates (greedy drafts, Medusa's and Hydra's heads) rerank.
+    ReDrafter's beams and prompt lookup's matches come ranked already and do not use it.
     """
 
     budget: int = 16
@@ -208,6 +217,7 @@ class TreeSpec:
     width: int = 4
     min_score: float = 0.2
     shape: tuple[tuple[int, ...], ...] | str | None = None  # a name from NAMED_TREE_SHAPES becomes its paths
+    rerank: bool = False  # dynamic: grow width x depth, keep the budget best (see above)
 
     def __post_init__(self) -> None:
         if isinstance(self.shape, str):
@@ -215,6 +225,8 @@ class TreeSpec:
                 raise SpecserveError(f"unknown tree shape {self.shape!r}: give paths of child ranks or one of "
                                      f"{', '.join(NAMED_TREE_SHAPES)}")
             object.__setattr__(self, "shape", NAMED_TREE_SHAPES[self.shape])
+        if self.shape is not None and self.rerank:
+            raise SpecserveError("tree rerank applies to dynamic trees: a static shape is the same every round")
         if self.shape is not None:
             shape = tuple(sorted({tuple(int(r) for r in path) for path in self.shape}, key=lambda p: (len(p), p)))
             check_shape(shape)

@@ -13,7 +13,10 @@ and adds the children `allocate` granted with `add` (`grow_level` does the last 
 
 How many children a node gets depends only on probabilities known before its children are
 drawn, never on which tokens the draws pick: lossless multi-draft verification of sampled
-trees needs that (see specserve.sampling.accept_rejection_tree).
+trees needs that (see specserve.sampling.accept_rejection_tree). A reranked dynamic tree
+(`TreeSpec.rerank`) keeps its best nodes once grown, which looks at later draws, so
+`growth_for` reranks only trees of chosen candidates. When the growth ends, `kept` says which
+of its nodes the tree keeps and `finish` builds that tree.
 
 `merge_beams` is the other way to a tree: ReDrafter's beams, merged on their shared prefixes.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import replace
 
 from specserve.protocol import TokenTree, TreeSpec
 
@@ -55,11 +59,15 @@ class ChainGrowth:
         self._last_prob = prob
         return len(self.parents) - 1
 
+    def kept(self) -> list[int]:
+        return list(range(len(self.parents)))
+
 
 class DynamicGrowth:
     """Each level, the `width` children of the frontier with the highest path score join the
     tree (children scoring below `min_score` never do) and form the next frontier, until
-    `depth` levels or `budget` nodes.
+    `depth` levels or `budget` nodes. Reranked (`spec.rerank`), the levels grow whatever the
+    budget and `kept` is the `budget` best nodes by score (EAGLE-2's reranking).
 
     >>> g = DynamicGrowth(TreeSpec(budget=3, depth=2, width=2, min_score=0.1))
     >>> g.allocate({-1: [0.6, 0.3, 0.1]})  # the root's two best children
@@ -67,6 +75,13 @@ class DynamicGrowth:
     >>> a, b = g.add(-1, 0.6), g.add(-1, 0.3)
     >>> g.frontier(), g.allocate({a: [0.9, 0.05], b: [0.5]})  # 0.54 beats 0.15; 1 node left
     ([0, 1], {0: 1})
+    >>> g = DynamicGrowth(TreeSpec(budget=3, depth=2, width=2, min_score=0.1, rerank=True))
+    >>> a, b = g.add(-1, 0.6), g.add(-1, 0.3)
+    >>> g.allocate({a: [0.9, 0.05], b: [0.5]})  # the level grows its width, past the budget
+    {0: 1, 1: 1}
+    >>> _, _ = g.add(a, 0.9), g.add(b, 0.5)
+    >>> g.kept()  # 0.6, 0.3 and 0.54 (under the 0.6) beat 0.15
+    [0, 1, 2]
     """
 
     def __init__(self, spec: TreeSpec):
@@ -76,18 +91,20 @@ class DynamicGrowth:
         self.depths: list[int] = []
         self.scores: list[float] = []
         self._level = [-1]
+        # the nodes the levels may grow: reranked, every level's width, the budget applied after
+        self._grown = spec.width * spec.depth if spec.rerank else spec.budget
 
     def _score(self, node: int) -> float:
         return 1.0 if node < 0 else self.scores[node]
 
     def frontier(self) -> list[int]:
-        if len(self.parents) >= self.spec.budget:
+        if len(self.parents) >= self._grown:
             return []
         return [n for n in self._level
                 if n < 0 or (self.depths[n] < self.spec.depth and self.scores[n] >= self.spec.min_score)]
 
     def allocate(self, candidates: dict[int, Sequence[float]]) -> dict[int, int]:
-        room = min(self.spec.width, self.spec.budget - len(self.parents))
+        room = min(self.spec.width, self._grown - len(self.parents))
         ranked = sorted((-self._score(node) * p, order, rank, node)
                         for order, (node, probs) in enumerate(candidates.items())
                         for rank, p in enumerate(probs[: self.spec.width]))
@@ -106,6 +123,15 @@ class DynamicGrowth:
         self.scores.append(self._score(parent) * prob)
         self._level.append(node)
         return node
+
+    def kept(self) -> list[int]:
+        """The nodes the tree keeps, in the order they joined (level order). Reranked: the
+        `budget` best by score, a parent before its equal-scoring child (it joined first), so
+        every kept node's parent is kept."""
+        nodes = range(len(self.parents))
+        if not self.spec.rerank or len(self.parents) <= self.spec.budget:
+            return list(nodes)
+        return sorted(heapq.nsmallest(self.spec.budget, nodes, key=lambda n: (-self.scores[n], n)))
 
 
 class StaticGrowth:
@@ -136,13 +162,38 @@ class StaticGrowth:
         self._level.append(len(self.paths) - 1)
         return len(self.paths) - 1
 
+    def kept(self) -> list[int]:
+        return list(range(len(self.paths)))
 
-def growth_for(k: int, tree: TreeSpec | None, min_confidence: float):
-    """The growth of one request's draft: a chain of k, or the tree `tree` capped at depth k."""
+
+def growth_for(k: int, tree: TreeSpec | None, min_confidence: float, *, drawn: bool = False):
+    """The growth of one request's draft: a chain of k, or the tree `tree` capped at depth k.
+    `drawn`: the proposer draws the children (a draft model's, for a sampled request), so the
+    tree does not rerank (see TreeSpec)."""
     if tree is None:
         return ChainGrowth(k, min_confidence)
     tree = tree.capped(k)
+    if drawn and tree.rerank:
+        tree = replace(tree, rerank=False)
     return DynamicGrowth(tree) if tree.shape is None else StaticGrowth(tree)
+
+
+def finish(growth, tokens: Sequence[int], parents: Sequence[int]) -> tuple[TokenTree, list[int]]:
+    """The tree of the nodes `growth` keeps (`kept`) out of the `tokens`/`parents` it grew,
+    renumbered, and the grown index of each of its nodes (to carry what else the proposer
+    keeps per node).
+
+    >>> g = DynamicGrowth(TreeSpec(budget=2, depth=2, width=2, min_score=0, rerank=True))
+    >>> for parent, p in [(-1, 0.5), (-1, 0.4), (0, 0.9), (1, 0.2)]:
+    ...     _ = g.add(parent, p)
+    >>> finish(g, [5, 6, 7, 8], [-1, -1, 0, 1])  # 0.5 and 0.45 (its child) beat 0.4
+    (TokenTree(tokens=(5, 7), parents=(-1, 0)), [0, 2])
+    """
+    kept = growth.kept()
+    index = {old: new for new, old in enumerate(kept)}
+    tree = TokenTree(tuple(int(tokens[n]) for n in kept),
+                     tuple(-1 if parents[n] < 0 else index[parents[n]] for n in kept))
+    return tree, kept
 
 
 def grow_level(growth, frontier: Sequence[int], candidates: dict[int, tuple[Sequence[int], Sequence[float]]],
@@ -187,7 +238,7 @@ def grow_from_marginals(growth, candidates: Sequence[tuple[Sequence[int], Sequen
             break
         for child in added:
             depth_of[child] = depth_of[parents[child]] + 1
-    return TokenTree(tuple(tokens), tuple(parents))
+    return finish(growth, tokens, parents)[0]
 
 
 def merge_beams(beams: Sequence[Sequence[int]], budget: int | None = None) -> TokenTree:

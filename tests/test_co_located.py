@@ -76,3 +76,18 @@ def test_sampled_trees_follow_the_target_distribution(method, params):
     assert_converges(lambda n: empirical_second_and_third_tokens(decoder, prompt, params, n, seed_base=n), exact)
     stats = decoder.last_report.stats
     assert stats.num_draft_tokens > 0 and sum(stats.num_accepted_tokens_per_rank[1:]) > 0
+
+
+@pytest.mark.parametrize("method", ["medusa", "hydra"])
+def test_sampled_reranked_trees_follow_the_target_distribution(method):
+    """A reranked tree keeps its best nodes once grown; chosen candidates are point masses
+    whichever stay, so the output is still the target's."""
+    params = SamplingParams(temperature=1.0, max_tokens=4)
+    target = tiny_model("qwen2", seed=5, vocab_size=SMALL_VOCAB)
+    prompt = [1, 2, 3]
+    exact = exact_second_and_third_tokens(target, prompt, params)
+    tree = TreeSpec(budget=4, depth=2, width=3, min_score=0.0, rerank=True)
+    decoder = decoder_for(method, target, noise=0.3, num_heads=2, shape="tree", tree=tree)
+    assert_converges(lambda n: empirical_second_and_third_tokens(decoder, prompt, params, n, seed_base=n), exact)
+    stats = decoder.last_report.stats
+    assert stats.num_draft_tokens > 0 and sum(stats.num_accepted_tokens_per_rank[1:]) > 0

@@ -211,6 +211,7 @@ def test_greedy_tree_rounds_equal_the_target_alone(qwen_pair):
 TREE_SPECS = {
     "dynamic-16": dict(budget=16, depth=6, width=4, min_score=0.0),
     "dynamic-8-narrow": dict(budget=8, depth=8, width=2, min_score=0.0),
+    "reranked-8": dict(budget=8, depth=6, width=3, min_score=0.0, rerank=True),
     "static": dict(shape=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]),
 }
 
@@ -250,7 +251,8 @@ def test_a_tree_accepts_more_per_round_than_a_chain_of_its_depth(qwen_pair):
 @pytest.mark.parametrize("spec", [
     dict(shape=[[0], [1], [2], [0, 0], [0, 1], [1, 0]]),  # three siblings at the root, two below
     dict(budget=6, depth=2, width=3, min_score=0.0),
-], ids=["static", "dynamic"])
+    dict(budget=4, depth=2, width=3, min_score=0.0, rerank=True),  # drawn children: grown under the budget
+], ids=["static", "dynamic", "reranked"])
 def test_sampled_tree_output_follows_the_target_distribution(spec):
     from specserve.protocol import TreeSpec
 

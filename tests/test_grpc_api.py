@@ -34,6 +34,8 @@ def test_a_grpc_request_becomes_the_http_body():
     adaptive = completion_body(generate_request("smol", "Hi", {"k": 4, "policy": "adaptive", "solo_k": 8, "pipeline": 0}))
     assert adaptive.speculation.model_dump(exclude_none=True) == {"k": 4, "policy": "adaptive", "solo_k": 8,
                                                                    "pipeline": 0}
+    reranked = completion_body(generate_request("smol", "Hi", {"shape": "tree", "tree": {"budget": 8, "rerank": True}}))
+    assert reranked.speculation.tree.model_dump(exclude_unset=True) == {"budget": 8, "rerank": True}
     chat = chat_body(chat_request("smol", [{"role": "user", "content": "Hi"}], top_k=3))
     assert chat.template_messages() == [{"role": "user", "content": "Hi"}] and chat.top_k == 3
 

@@ -20,6 +20,7 @@ SHAPES = {
     "chain": dict(shape="chain", k=3),
     "static": dict(shape="tree", tree=TreeSpec(shape=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))),
     "dynamic": dict(shape="tree", tree=TreeSpec(budget=10, depth=3, width=3, min_score=0.0)),
+    "reranked": dict(shape="tree", tree=TreeSpec(budget=6, depth=3, width=3, min_score=0.0, rerank=True)),
 }
 
 

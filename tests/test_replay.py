@@ -33,7 +33,9 @@ def test_tree_specs_parse_and_bad_ones_are_refused():
     assert set(papers.shape) == set(NAMED_TREE_SHAPES["mc_sim_7b_63"]) and (papers.budget, papers.depth) == (63, 4)
     with pytest.raises(SpecserveError, match="unknown tree shape"):
         parse_tree("shape=mc_sim")
-    for bad in ("breadth=4", "budget", "width=four"):
+    assert parse_tree("budget=16,depth=4,width=8,min_score=0,rerank=1").rerank
+    assert not parse_tree("budget=16,rerank=0").rerank
+    for bad in ("breadth=4", "budget", "width=four", "rerank=yes", "shape=mc_sim_7b_63,rerank=1"):
         with pytest.raises(SpecserveError, match="tree"):
             parse_tree(bad)
 
@@ -111,7 +113,7 @@ def test_the_cli_takes_a_static_shape_as_paths_or_by_name():
 
     def spec(shape):
         return _tree_spec(argparse.Namespace(tree_budget=16, tree_depth=12, tree_width=4, tree_min_score=0.2,
-                                             tree_shape=shape))
+                                             tree_shape=shape, tree_rerank=False))
 
     assert spec("[[0], [1], [0, 0]]").shape == ((0,), (1,), (0, 0))
     assert spec("mc_sim_7b_63") == TreeSpec(shape="mc_sim_7b_63")

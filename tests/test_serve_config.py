@@ -163,6 +163,15 @@ def test_tree_args_become_a_tree_spec():
         TreeArgs(shape="mc_sim")
     with pytest.raises(SpecserveError, match="unknown tree shape"):
         TreeOverride(shape="mc_sim").apply_to(base)
+    # reranking: dynamic trees only, refused when the app is built; a request's shape asks for that shape
+    reranked = TreeArgs(budget=16, depth=4, width=8, rerank=True).spec()
+    assert reranked.rerank and TreeOverride(budget=8).apply_to(reranked).rerank
+    assert TreeOverride(shape=[[0], [1]]).apply_to(reranked) == TreeSpec(shape=[[0], [1]], width=8, min_score=0.2)
+    assert TreeOverride(rerank=True).apply_to(base).rerank
+    with pytest.raises(ValidationError, match="rerank applies to dynamic trees"):
+        TreeArgs(shape="mc_sim_7b_63", rerank=True)
+    with pytest.raises(SpecserveError, match="rerank applies to dynamic trees"):
+        TreeOverride(rerank=True).apply_to(papers)
 
 
 def test_builder_refuses_a_draft_with_another_vocabulary(tmp_path):

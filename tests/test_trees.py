@@ -4,7 +4,7 @@ import pytest
 
 from specserve.protocol import SpecserveError, TokenTree, TreeSpec
 from specserve.trees import (
-    ChainGrowth, DynamicGrowth, StaticGrowth, count_ranks, growth_for, rank_acceptance, shape_from_acceptance,
+    ChainGrowth, DynamicGrowth, StaticGrowth, count_ranks, finish, growth_for, rank_acceptance, shape_from_acceptance,
 )
 
 
@@ -78,6 +78,69 @@ def test_dynamic_growth_respects_budget_width_and_depth():
     tree = TokenTree(tuple(range(len(parents))), tuple(parents))
     assert len(parents) <= 10 and max(tree.depths) <= 3
     assert all(sum(1 for d in tree.depths if d == level) <= 3 for level in (1, 2, 3))
+
+
+def test_a_reranked_tree_spends_its_budget_where_the_draft_is_sure_at_any_depth():
+    """Node 0's line is sure (0.95 a step), the rest is not (0.5/0.3). Level by level, a budget
+    of 6 with width 2 goes two nodes to each of three levels; reranked, the tree grows every
+    level's width to depth 5 and keeps the 6 best paths: node 0's line down to depth 5 and
+    the root's second child."""
+    sure = {0}
+
+    def candidates_of(node):
+        return [0.95, 0.03] if node in sure else [0.5, 0.3]
+
+    def grown(spec):
+        growth = DynamicGrowth(spec)
+        parents = []
+        while frontier := growth.frontier():
+            candidates = {node: candidates_of(node) for node in frontier}
+            for node, count in growth.allocate(candidates).items():
+                for rank in range(count):
+                    child = growth.add(node, candidates[node][rank])
+                    parents.append(node)
+                    if node in sure and rank == 0:
+                        sure.add(child)
+        tree, kept = finish(growth, list(range(len(parents))), parents)
+        return tree, [growth.scores[n] for n in kept]
+
+    level_by_level, _ = grown(TreeSpec(budget=6, depth=5, width=2, min_score=0.0))
+    assert sorted(level_by_level.depths) == [1, 1, 2, 2, 3, 3]
+    reranked, scores = grown(TreeSpec(budget=6, depth=5, width=2, min_score=0.0, rerank=True))
+    assert sorted(reranked.depths) == [1, 1, 2, 3, 4, 5]
+    assert sorted(scores)[0] == pytest.approx(0.3) and sorted(scores)[1] > 0.4  # depth 5's 0.5 x 0.95^4
+    assert all(p < i for i, p in enumerate(reranked.parents))  # a tree, in level order
+
+
+def test_a_reranked_tree_is_always_a_tree_of_the_budget_best_nodes():
+    import random
+
+    rng = random.Random(0)
+    for trial in range(200):
+        spec = TreeSpec(budget=rng.randint(1, 20), depth=rng.randint(1, 5), width=rng.randint(1, 4),
+                        min_score=rng.choice([0.0, 0.01]), rerank=True)
+        growth = DynamicGrowth(spec)
+        # probabilities repeat (and hit 1.0), so equal scores are common
+        parents = grow(growth, lambda node: sorted((rng.choice([1.0, 0.5, 0.25, 0.1]) for _ in range(4)),
+                                                   reverse=True))
+        assert len(parents) <= spec.width * spec.depth
+        kept = growth.kept()
+        assert len(kept) == min(spec.budget, len(parents)) and kept == sorted(kept)
+        assert all(parents[n] < 0 or parents[n] in kept for n in kept)
+        dropped = set(range(len(parents))) - set(kept)
+        assert all(growth.scores[d] <= growth.scores[k] for d in dropped for k in kept)
+        tree, index = finish(growth, [10 + n for n in range(len(parents))], parents)
+        assert index == kept and list(tree.tokens) == [10 + n for n in kept]
+
+
+def test_rerank_is_for_dynamic_trees_of_chosen_candidates():
+    with pytest.raises(SpecserveError, match="rerank applies to dynamic trees"):
+        TreeSpec(shape=[[0]], rerank=True)
+    spec = TreeSpec(budget=8, depth=4, width=4, rerank=True)
+    assert growth_for(4, spec, 0.5).spec.rerank
+    # children drawn (a draft model's, sampled): keeping the best afterwards would look at later draws
+    assert not growth_for(4, spec, 0.5, drawn=True).spec.rerank
+    assert growth_for(2, spec, 0.5).spec == TreeSpec(budget=8, depth=2, width=4, rerank=True)
 
 
 def test_chain_growth_stops_when_unsure():

@@ -196,7 +196,7 @@ def speculation_strategy(wild: bool):
     tree = _message(pb.TreeOverride, budget=ints, depth=ints, width=ints,
                     min_score=st.floats(0, 1, width=32) | (FLOAT32 if wild else st.nothing()),
                     shape=st.lists(st.lists(st.integers(-1, 4) | (INT32 if wild else st.nothing()), max_size=5).map(
-                        lambda r: pb.TreePath(ranks=r)), max_size=12))
+                        lambda r: pb.TreePath(ranks=r)), max_size=12), rerank=st.booleans())
     return _message(pb.SpeculationOverride, proposer=proposer, shape=shape, k=ints, tree=tree, acceptance=acceptance,
                     policy=policy)
 

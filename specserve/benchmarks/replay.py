@@ -210,12 +210,19 @@ def load_trajectories(worker, tokenizer, target: str, workload: str, prompts: in
     return trajectories
 
 
-TREE_FIELDS = {"budget": int, "depth": int, "width": int, "min_score": float, "shape": str}
+def _flag(value: str) -> bool:
+    if value.lower() not in ("0", "1", "true", "false"):
+        raise ValueError(value)
+    return value.lower() in ("1", "true")
+
+
+TREE_FIELDS = {"budget": int, "depth": int, "width": int, "min_score": float, "shape": str, "rerank": _flag}
 
 
 def parse_tree(text: str) -> TreeSpec | None:
     """'chain', 'budget=16,depth=4,width=4,min_score=0.05' (a dynamic TreeSpec's fields; those
-    left out keep TreeSpec's defaults) or 'shape=mc_sim_7b_63' (a static shape by name)."""
+    left out keep TreeSpec's defaults; 'rerank=1' reranks) or 'shape=mc_sim_7b_63' (a static
+    shape by name)."""
     if text == "chain":
         return None
     fields = {}
@@ -228,7 +235,8 @@ def parse_tree(text: str) -> TreeSpec | None:
         try:
             fields[key.strip()] = TREE_FIELDS[key.strip()](value)
         except ValueError:
-            raise SpecserveError(f"tree {text!r}: {key} must be a number, got {value!r}") from None
+            kind = "0 or 1" if TREE_FIELDS[key.strip()] is _flag else "a number"
+            raise SpecserveError(f"tree {text!r}: {key} must be {kind}, got {value!r}") from None
     return TreeSpec(**fields)
 
 
@@ -266,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--trees", nargs="+", default=["budget=16,depth=4,width=4,min_score=0.05"],
                         help="'chain' (one node per head), dynamic trees as 'budget=16,depth=4,width=4,min_score=0' "
-                             "or static shapes by name, 'shape=mc_sim_7b_63' (Medusa's and Hydra's 63-node default)")
+                             "(',rerank=1': reranked) or static shapes by name, 'shape=mc_sim_7b_63' (Medusa's and Hydra's 63-node default)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     trees = [(text, parse_tree(text)) for text in args.trees]  # bad shapes are refused before any loading

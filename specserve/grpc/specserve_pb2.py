@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especserve/grpc/specserve.proto\x12\x0cspecserve.v1\"\xdc\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x19\n\x08TreePath\x12\r\n\x05ranks\x18\x01 \x03(\x05\"\xb7\x01\n\x0cTreeOverride\x12\x13\n\x06\x62udget\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\x05\x64\x65pth\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05width\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x16\n\tmin_score\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12%\n\x05shape\x18\x05 \x03(\x0b\x32\x16.specserve.v1.TreePathB\t\n\x07_budgetB\x08\n\x06_depthB\x08\n\x06_widthB\x0c\n\n_min_score\"\xa3\x02\n\x13SpeculationOverride\x12\x15\n\x08proposer\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05shape\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x01k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12(\n\x04tree\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.TreeOverride\x12\x17\n\nacceptance\x18\x05 \x01(\tH\x03\x88\x01\x01\x12\x13\n\x06policy\x18\x06 \x01(\tH\x04\x88\x01\x01\x12\x15\n\x08pipeline\x18\x07 \x01(\x05H\x05\x88\x01\x01\x12\x13\n\x06solo_k\x18\x08 \x01(\x05H\x06\x88\x01\x01\x42\x0b\n\t_proposerB\x08\n\x06_shapeB\x04\n\x02_kB\r\n\x0b_acceptanceB\t\n\x07_policyB\x0b\n\t_pipelineB\t\n\x07_solo_k\"\xf2\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x36\n\x0bspeculation\x18\x05 \x01(\x0b\x32!.specserve.v1.SpeculationOverride\x12\x16\n\ttimeout_s\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\x05\x42\x0c\n\n_timeout_s\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf1\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x36\n\x0bspeculation\x18\x04 \x01(\x0b\x32!.specserve.v1.SpeculationOverride\x12\x16\n\ttimeout_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x10resume_token_ids\x18\x06 \x03(\x05\x42\x0c\n\n_timeout_s\"\xb2\x04\n\x10SpeculationStats\x12\x10\n\x08proposer\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x01(\t\x12\x12\n\nacceptance\x18\x03 \x01(\t\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x14\n\x0ctarget_steps\x18\x05 \x01(\x03\x12\x12\n\nnum_drafts\x18\x06 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x07 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x08 \x01(\x03\x12#\n\x1bnum_accepted_tokens_per_pos\x18\t \x03(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\n \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x0b \x01(\x01\x12\x43\n\x0bk_histogram\x18\x0c \x03(\x0b\x32..specserve.v1.SpeculationStats.KHistogramEntry\x12\x1d\n\x15speculation_off_share\x18\r \x01(\x01\x12M\n\x10policy_decisions\x18\x0e \x03(\x0b\x32\x33.specserve.v1.SpeculationStats.PolicyDecisionsEntry\x1a\x31\n\x0fKHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x36\n\x14PolicyDecisionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x84\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\x12\x33\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1e.specserve.v1.SpeculationStats\"z\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\"\x0f\n\rModelsRequest\" \n\x0eModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\"\x0f\n\rHealthRequest\" \n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t2\xc1\x03\n\tSpecserve\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12\x41\n\x04\x43hat\x12\x19.specserve.v1.ChatRequest\x1a\x1e.specserve.v1.GenerateResponse\x12I\n\nChatStream\x12\x19.specserve.v1.ChatRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12\x43\n\x06Models\x12\x1b.specserve.v1.ModelsRequest\x1a\x1c.specserve.v1.ModelsResponse\x12\x43\n\x06Health\x12\x1b.specserve.v1.HealthRequest\x1a\x1c.specserve.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especserve/grpc/specserve.proto\x12\x0cspecserve.v1\"\xdc\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x19\n\x08TreePath\x12\r\n\x05ranks\x18\x01 \x03(\x05\"\xd7\x01\n\x0cTreeOverride\x12\x13\n\x06\x62udget\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\x05\x64\x65pth\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05width\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x16\n\tmin_score\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12%\n\x05shape\x18\x05 \x03(\x0b\x32\x16.specserve.v1.TreePath\x12\x13\n\x06rerank\x18\x06 \x01(\x08H\x04\x88\x01\x01\x42\t\n\x07_budgetB\x08\n\x06_depthB\x08\n\x06_widthB\x0c\n\n_min_scoreB\t\n\x07_rerank\"\xa3\x02\n\x13SpeculationOverride\x12\x15\n\x08proposer\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05shape\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x01k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12(\n\x04tree\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.TreeOverride\x12\x17\n\nacceptance\x18\x05 \x01(\tH\x03\x88\x01\x01\x12\x13\n\x06policy\x18\x06 \x01(\tH\x04\x88\x01\x01\x12\x15\n\x08pipeline\x18\x07 \x01(\x05H\x05\x88\x01\x01\x12\x13\n\x06solo_k\x18\x08 \x01(\x05H\x06\x88\x01\x01\x42\x0b\n\t_proposerB\x08\n\x06_shapeB\x04\n\x02_kB\r\n\x0b_acceptanceB\t\n\x07_policyB\x0b\n\t_pipelineB\t\n\x07_solo_k\"\xf2\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x36\n\x0bspeculation\x18\x05 \x01(\x0b\x32!.specserve.v1.SpeculationOverride\x12\x16\n\ttimeout_s\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\x05\x42\x0c\n\n_timeout_s\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf1\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x36\n\x0bspeculation\x18\x04 \x01(\x0b\x32!.specserve.v1.SpeculationOverride\x12\x16\n\ttimeout_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x10resume_token_ids\x18\x06 \x03(\x05\x42\x0c\n\n_timeout_s\"\xb2\x04\n\x10SpeculationStats\x12\x10\n\x08proposer\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x01(\t\x12\x12\n\nacceptance\x18\x03 \x01(\t\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x14\n\x0ctarget_steps\x18\x05 \x01(\x03\x12\x12\n\nnum_drafts\x18\x06 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x07 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x08 \x01(\x03\x12#\n\x1bnum_accepted_tokens_per_pos\x18\t \x03(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\n \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x0b \x01(\x01\x12\x43\n\x0bk_histogram\x18\x0c \x03(\x0b\x32..specserve.v1.SpeculationStats.KHistogramEntry\x12\x1d\n\x15speculation_off_share\x18\r \x01(\x01\x12M\n\x10policy_decisions\x18\x0e \x03(\x0b\x32\x33.specserve.v1.SpeculationStats.PolicyDecisionsEntry\x1a\x31\n\x0fKHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x36\n\x14PolicyDecisionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x84\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\x12\x33\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1e.specserve.v1.SpeculationStats\"z\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\"\x0f\n\rModelsRequest\" \n\x0eModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\"\x0f\n\rHealthRequest\" \n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t2\xc1\x03\n\tSpecserve\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12\x41\n\x04\x43hat\x12\x19.specserve.v1.ChatRequest\x1a\x1e.specserve.v1.GenerateResponse\x12I\n\nChatStream\x12\x19.specserve.v1.ChatRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12\x43\n\x06Models\x12\x1b.specserve.v1.ModelsRequest\x1a\x1c.specserve.v1.ModelsResponse\x12\x43\n\x06Health\x12\x1b.specserve.v1.HealthRequest\x1a\x1c.specserve.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,33 +40,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TREEPATH']._serialized_start=271
   _globals['_TREEPATH']._serialized_end=296
   _globals['_TREEOVERRIDE']._serialized_start=299
-  _globals['_TREEOVERRIDE']._serialized_end=482
-  _globals['_SPECULATIONOVERRIDE']._serialized_start=485
-  _globals['_SPECULATIONOVERRIDE']._serialized_end=776
-  _globals['_GENERATEREQUEST']._serialized_start=779
-  _globals['_GENERATEREQUEST']._serialized_end=1021
-  _globals['_CHATMESSAGE']._serialized_start=1023
-  _globals['_CHATMESSAGE']._serialized_end=1067
-  _globals['_CHATREQUEST']._serialized_start=1070
-  _globals['_CHATREQUEST']._serialized_end=1311
-  _globals['_SPECULATIONSTATS']._serialized_start=1314
-  _globals['_SPECULATIONSTATS']._serialized_end=1876
-  _globals['_SPECULATIONSTATS_KHISTOGRAMENTRY']._serialized_start=1771
-  _globals['_SPECULATIONSTATS_KHISTOGRAMENTRY']._serialized_end=1820
-  _globals['_SPECULATIONSTATS_POLICYDECISIONSENTRY']._serialized_start=1822
-  _globals['_SPECULATIONSTATS_POLICYDECISIONSENTRY']._serialized_end=1876
-  _globals['_USAGE']._serialized_start=1879
-  _globals['_USAGE']._serialized_end=2011
-  _globals['_GENERATERESPONSE']._serialized_start=2013
-  _globals['_GENERATERESPONSE']._serialized_end=2135
-  _globals['_MODELSREQUEST']._serialized_start=2137
-  _globals['_MODELSREQUEST']._serialized_end=2152
-  _globals['_MODELSRESPONSE']._serialized_start=2154
-  _globals['_MODELSRESPONSE']._serialized_end=2186
-  _globals['_HEALTHREQUEST']._serialized_start=2188
-  _globals['_HEALTHREQUEST']._serialized_end=2203
-  _globals['_HEALTHRESPONSE']._serialized_start=2205
-  _globals['_HEALTHRESPONSE']._serialized_end=2237
-  _globals['_SPECSERVE']._serialized_start=2240
-  _globals['_SPECSERVE']._serialized_end=2689
+  _globals['_TREEOVERRIDE']._serialized_end=514
+  _globals['_SPECULATIONOVERRIDE']._serialized_start=517
+  _globals['_SPECULATIONOVERRIDE']._serialized_end=808
+  _globals['_GENERATEREQUEST']._serialized_start=811
+  _globals['_GENERATEREQUEST']._serialized_end=1053
+  _globals['_CHATMESSAGE']._serialized_start=1055
+  _globals['_CHATMESSAGE']._serialized_end=1099
+  _globals['_CHATREQUEST']._serialized_start=1102
+  _globals['_CHATREQUEST']._serialized_end=1343
+  _globals['_SPECULATIONSTATS']._serialized_start=1346
+  _globals['_SPECULATIONSTATS']._serialized_end=1908
+  _globals['_SPECULATIONSTATS_KHISTOGRAMENTRY']._serialized_start=1803
+  _globals['_SPECULATIONSTATS_KHISTOGRAMENTRY']._serialized_end=1852
+  _globals['_SPECULATIONSTATS_POLICYDECISIONSENTRY']._serialized_start=1854
+  _globals['_SPECULATIONSTATS_POLICYDECISIONSENTRY']._serialized_end=1908
+  _globals['_USAGE']._serialized_start=1911
+  _globals['_USAGE']._serialized_end=2043
+  _globals['_GENERATERESPONSE']._serialized_start=2045
+  _globals['_GENERATERESPONSE']._serialized_end=2167
+  _globals['_MODELSREQUEST']._serialized_start=2169
+  _globals['_MODELSREQUEST']._serialized_end=2184
+  _globals['_MODELSRESPONSE']._serialized_start=2186
+  _globals['_MODELSRESPONSE']._serialized_end=2218
+  _globals['_HEALTHREQUEST']._serialized_start=2220
+  _globals['_HEALTHREQUEST']._serialized_end=2235
+  _globals['_HEALTHRESPONSE']._serialized_start=2237
+  _globals['_HEALTHRESPONSE']._serialized_end=2269
+  _globals['_SPECSERVE']._serialized_start=2272
+  _globals['_SPECSERVE']._serialized_end=2721
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ import torch
 from specserve.engine.torch_worker import ForwardItem, TorchWorker
 from specserve.protocol import DETERMINISTIC, SAMPLED, Proposal, ProposeRequest, SparseDist, TokenTree
 from specserve.sampling import generator_for, target_probs, truncate_top_m
-from specserve.trees import growth_for
+from specserve.trees import finish, growth_for
 
 
 class DraftModelProposer:
@@ -33,7 +33,8 @@ class DraftModelProposer:
         self.min_confidence = min_confidence
 
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
-        drafts = {r.request_id: _Draft(r, growth_for(r.k, r.tree, self.min_confidence)) for r in requests}
+        drafts = {r.request_id: _Draft(r, growth_for(r.k, r.tree, self.min_confidence, drawn=not r.params.greedy))
+                  for r in requests}
         while True:
             stepping = [d for d in drafts.values() if d.frontier()]
             if not stepping:
@@ -111,10 +112,10 @@ class _Draft:
     def proposal(self) -> Proposal:
         """Greedy requests take the draft's top choices (deterministic); sampled requests drew
         their nodes and send the distributions they drew them from."""
-        tree = TokenTree(tuple(self.tokens), tuple(self.parents))
+        tree, kept = finish(self.growth, self.tokens, self.parents)
         if self.generator is None:
             return Proposal(self.request.request_id, tree, DETERMINISTIC)
-        return Proposal(self.request.request_id, tree, SAMPLED, _stack(self.dists))
+        return Proposal(self.request.request_id, tree, SAMPLED, _stack([self.dists[n] for n in kept]))
 
 
 def _stack(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> SparseDist:

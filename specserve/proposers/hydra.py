@@ -19,7 +19,7 @@ import torch
 
 from specserve.protocol import DETERMINISTIC, Proposal, ProposeRequest, TokenTree
 from specserve.proposers.heads import HeadProposer
-from specserve.trees import grow_level
+from specserve.trees import finish, grow_level
 
 
 class HydraProposer(HeadProposer):
@@ -49,7 +49,7 @@ class HydraProposer(HeadProposer):
                 by_request.setdefault(b, {})[node] = (ids[i], probs[i])
             for b, candidates in by_request.items():
                 drafts[b].grow(growths[b], candidates)
-        return [Proposal(r.request_id, d.tree(), DETERMINISTIC) for r, d in zip(requests, drafts)]
+        return [Proposal(r.request_id, d.tree(g), DETERMINISTIC) for r, d, g in zip(requests, drafts, growths)]
 
 
 class _Draft:
@@ -69,5 +69,6 @@ class _Draft:
         for child in grow_level(growth, list(candidates), candidates, self.tokens, self.parents):
             self._paths.append(self.path(self.parents[child]) + [self.tokens[child]])
 
-    def tree(self) -> TokenTree:
-        return TokenTree(tuple(self.tokens), tuple(self.parents))
+    def tree(self, growth) -> TokenTree:
+        """The tree the growth keeps (None: the request drafted nothing)."""
+        return TokenTree() if growth is None else finish(growth, self.tokens, self.parents)[0]

@@ -179,6 +179,9 @@ class TreeArgs(_Checked):
                                                 "[[0], [1], [0, 0]], or a known shape's name (mc_sim_7b_63: "
                                                 "Medusa's and Hydra's 63-node default); budget and depth then "
                                                 "follow from it")
+    rerank: bool = Field(False, description="dynamic: grow width nodes a level to depth, then keep the budget "
+                         "best by path probability (EAGLE-2's reranking); trees whose children a draft model "
+                         "draws (sampled requests) grow under the budget instead")
 
     def spec(self) -> TreeSpec:
         return TreeSpec(**self.model_dump())  # TreeSpec turns the shape's lists into tuples

@@ -36,7 +36,7 @@ from specserve.serve.openai_api import ChatCompletionRequest, CompletionRequest,
 
 _SAMPLING_OPTIONAL = ("temperature", "top_p", "top_k", "max_tokens", "seed")
 _SPECULATION_OPTIONAL = ("proposer", "shape", "k", "acceptance", "policy", "pipeline", "solo_k")
-_TREE_OPTIONAL = ("budget", "depth", "width", "min_score")
+_TREE_OPTIONAL = ("budget", "depth", "width", "min_score", "rerank")
 
 
 def _set_fields(message, names: tuple[str, ...]) -> dict:

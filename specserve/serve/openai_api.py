@@ -23,10 +23,15 @@ class TreeOverride(BaseModel):
     width: int | None = None
     min_score: float | None = None
     shape: list[list[int]] | str | None = None  # paths of child ranks, or a name such as "mc_sim_7b_63"
+    rerank: bool | None = None
 
     def apply_to(self, spec: TreeSpec) -> TreeSpec:
-        """The deployment's spec with this request's fields; TreeSpec checks the ranges."""
-        return replace(spec, **self.model_dump(exclude_unset=True))
+        """The deployment's spec with this request's fields; TreeSpec checks the ranges. A
+        request that gives a static shape asks for that shape, reranked or not."""
+        fields = self.model_dump(exclude_unset=True)
+        if fields.get("shape") is not None and "rerank" not in fields:
+            fields["rerank"] = False
+        return replace(spec, **fields)
 
 
 class TypicalOverride(BaseModel):
