@@ -30,7 +30,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import replace
 
-from specserve.protocol import TokenTree, TreeSpec
+from specserve.protocol import MAX_TREE_NODES, TokenTree, TreeSpec
 
 
 class ChainGrowth:
@@ -91,8 +91,9 @@ class DynamicGrowth:
         self.depths: list[int] = []
         self.scores: list[float] = []
         self._level = [-1]
-        # the nodes the levels may grow: reranked, every level's width, the budget applied after
-        self._grown = spec.width * spec.depth if spec.rerank else spec.budget
+        # the nodes the levels may grow: reranked, every level's width (as many as any tree may
+        # hold at most), the budget applied after
+        self._grown = min(spec.width * spec.depth, MAX_TREE_NODES) if spec.rerank else spec.budget
 
     def _score(self, node: int) -> float:
         return 1.0 if node < 0 else self.scores[node]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specserve.protocol import SpecserveError, TokenTree, TreeSpec
+from specserve.protocol import MAX_K, MAX_TREE_NODES, SpecserveError, TokenTree, TreeSpec
 from specserve.trees import (
     ChainGrowth, DynamicGrowth, StaticGrowth, count_ranks, finish, growth_for, rank_acceptance, shape_from_acceptance,
 )
@@ -141,6 +141,10 @@ def test_rerank_is_for_dynamic_trees_of_chosen_candidates():
     # children drawn (a draft model's, sampled): keeping the best afterwards would look at later draws
     assert not growth_for(4, spec, 0.5, drawn=True).spec.rerank
     assert growth_for(2, spec, 0.5).spec == TreeSpec(budget=8, depth=2, width=4, rerank=True)
+    # a request's widest, deepest reranked tree grows no more nodes than any tree may hold
+    widest = DynamicGrowth(TreeSpec(budget=16, depth=MAX_K, width=MAX_TREE_NODES, min_score=0.0, rerank=True))
+    assert len(grow(widest, lambda node: [0.9] * MAX_TREE_NODES)) == MAX_TREE_NODES
+    assert len(widest.kept()) == 16
 
 
 def test_chain_growth_stops_when_unsure():
