@@ -1099,11 +1099,11 @@ class MeasuredModes:
     def deciding_load(in_flight: int, *, first_round: bool = False, peak_in_flight: int | None = None) -> int:
         """The requests in flight a round's mode is decided at: its own count, or for a first
         round the most in flight lately where more (see "Bursts"): `begin`'s `in_flight`.
-        `begin`'s `off_predicted` must be off's goodput at this load: at 1 in flight, where a wave's first round begins, off was
-        predicted at a quarter of what the 4-stream level's model measured, so off "clearly
-        lost", the wave ran the model, and off's first measurement waited for the wave's tail
-        (code 4 on an AVX-512 EPYC: two waves of the model each ending in off epochs that
-        measured nothing)."""
+        `begin`'s `off_predicted` must be off's goodput at this load: at 1 in flight, where a
+        wave's first round begins, off was predicted at a quarter of what the 4-stream level's
+        model measured, so off "clearly lost", the wave ran the model, and off's first
+        measurement waited for the wave's tail (code 4 on an AVX-512 EPYC: two waves of the
+        model each ending in off epochs that measured nothing)."""
         if first_round and peak_in_flight is not None:
             return max(in_flight, peak_in_flight)
         return in_flight

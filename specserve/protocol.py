@@ -205,9 +205,9 @@ class TreeSpec:
     Reranked (`rerank`, dynamic only; EAGLE-2's reranking): the levels grow `width` children
     each to `depth` levels whatever the budget (at most MAX_TREE_NODES in all, the most any
     tree holds, so a request cannot ask for width x depth drafted nodes unbounded), then the
-    tree keeps the `budget` nodes of
-    highest score. A node never scores above its parent, so they always form a tree, and the
-    budget goes where the draft is sure at any depth rather than to each level in turn. Which
+    tree keeps the `budget` nodes of highest score. A node never scores above its parent, so
+    they always form a tree, and the budget goes where the draft is sure at any depth rather
+    than to each level in turn. Which
     nodes stay then depends on the probabilities of tokens drawn after them, so a tree whose
     children are drawn (a draft model's, for a sampled request) grows under the budget as
     without it; trees of chosen candidates (greedy drafts, Medusa's and Hydra's heads) rerank.

@@ -191,6 +191,8 @@ def finish(growth, tokens: Sequence[int], parents: Sequence[int]) -> tuple[Token
     (TokenTree(tokens=(5, 7), parents=(-1, 0)), [0, 2])
     """
     kept = growth.kept()
+    if len(kept) == len(tokens):  # nothing dropped (every growth but a reranked one): no renumbering
+        return TokenTree(tuple(int(t) for t in tokens), tuple(parents)), kept
     index = {old: new for new, old in enumerate(kept)}
     tree = TokenTree(tuple(int(tokens[n]) for n in kept),
                      tuple(-1 if parents[n] < 0 else index[parents[n]] for n in kept))
