@@ -304,6 +304,9 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
     for i, (before, after) in enumerate(zip(report["heldout_accuracy_before"], report["heldout_accuracy_after"])):
         own_text = f"; on the target's own continuations {own[i]:.3f}" if own else ""
         print(f"  head {i}: {after:.3f} on text (untrained {before:.3f}){own_text}")
+    if report["score_temperatures"]:
+        print("score temperatures (trees divide each head's logits by them): "
+              + " ".join(f"{t:.3f}" for t in report["score_temperatures"]))
     return EXIT_OK
 
 
@@ -399,7 +402,8 @@ def add_train_heads_parser(subparsers) -> None:
     p.add_argument("--cache-dir", help="where the target's hidden states and continuations are cached (default "
                                        "$SPECSERVE_HOME/heads/cache, shared by every method and target: the files "
                                        "are named by a hash of what made them)")
-    p.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
+    p.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out (a finished run: "
+                   "evaluate and fit the score temperatures again, training no further)")
     p.add_argument("--force", action="store_true", help="train again over heads already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_train_heads)

@@ -91,3 +91,27 @@ def test_sampled_reranked_trees_follow_the_target_distribution(method):
     assert_converges(lambda n: empirical_second_and_third_tokens(decoder, prompt, params, n, seed_base=n), exact)
     stats = decoder.last_report.stats
     assert stats.num_draft_tokens > 0 and sum(stats.num_accepted_tokens_per_rank[1:]) > 0
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_score_temperatures_reshape_trees_and_keep_greedy_output_exact(method):
+    """Heads with `score_temperatures` (a sharp first head, flat deeper ones) draft other
+    trees from the same logits, and the output is still the target's own."""
+    import torch
+
+    from specserve.protocol import ProposeRequest
+
+    target = tiny_model("qwen2", seed=11)
+    make_decoder, make_heads = METHODS[method]
+    heads = make_heads(target, num_heads=3, noise=0.3)
+    spec = SHAPES["reranked"] if method != "redrafter" else dict(shape="tree", tree=SAMPLED_TREES["redrafter"])
+    plain = make_decoder(target, heads, **spec)
+    hidden = torch.randn(len(PROMPTS), target.config.hidden_size)
+    requests = [ProposeRequest(f"r{i}", p, 3, SamplingParams(), 0, spec["tree"]) for i, p in enumerate(PROMPTS)]
+    before = [x.tree for x in plain.verifier.heads.propose_from_hidden(requests, hidden)]
+    heads.config.score_temperatures = [0.2, 8.0, 8.0]
+    after = [x.tree for x in plain.verifier.heads.propose_from_hidden(requests, hidden)]
+    assert before != after
+    outs = make_decoder(target, heads, **spec).generate(PROMPTS, SamplingParams(max_tokens=24))
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(target, prompt, 24)

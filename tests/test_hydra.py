@@ -126,6 +126,29 @@ def test_dynamic_trees_score_paths_by_the_product_of_conditional_probabilities()
     assert proposal.tree.parents == expected_parents
 
 
+@pytest.mark.parametrize("temperatures", [[1.0, 0.01], [1.0, 100.0]])
+def test_dynamic_trees_score_paths_at_the_heads_score_temperatures(temperatures):
+    """A reranked tree of two nodes (from two levels of width 2) keeps the root's best child
+    and the better of its second child and the first one's best child, scored with each
+    head's logits divided by its score temperature: under a sharp second head the second
+    node is the first one's child, under a flat one its sibling."""
+    from specserve.proposers.hydra import HydraProposer
+
+    model = tiny_model("llama", seed=4)
+    heads = tiny_hydra_heads(model, num_heads=2, noise=0.3)
+    heads.config.score_temperatures = temperatures
+    hidden = torch.randn(1, model.config.hidden_size)
+    spec = TreeSpec(budget=2, depth=2, width=2, min_score=0.0, rerank=True)
+    [proposal] = HydraProposer(heads).propose_from_hidden([ProposeRequest("r", [3], 2, SamplingParams(), 0, spec)],
+                                                          hidden)
+    p0 = (heads.head_logits(0, hidden, torch.tensor([[3]]))[0] / temperatures[0]).softmax(-1)
+    first, second = p0.topk(2).indices.tolist()
+    p1 = (heads.head_logits(1, hidden, torch.tensor([[3, first]]))[0] / temperatures[1]).softmax(-1)
+    deeper = float(p0[first] * p1.max())
+    assert proposal.tree.parents == ((-1, 0) if deeper > float(p0[second]) else (-1, -1))
+    assert proposal.tree.parents == ((-1, 0) if temperatures[1] < 1 else (-1, -1))
+
+
 # ---- Hydra++ prefix attention ------------------------------------------------------------
 
 

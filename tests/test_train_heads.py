@@ -22,8 +22,10 @@ from specserve.heads.train import (
     CHECKPOINT_FILE,
     REPORT_FILE,
     TrainOptions,
+    _least_log_loss_temperature,
     choose_token_map,
     distillation_loss,
+    fit_score_temperatures,
     leading_sequences,
     sparse_teacher,
     student_logits,
@@ -150,6 +152,66 @@ def test_resume_gives_the_uninterrupted_weights(target, tmp_path):
     for name, value in head_weights(whole).items():
         torch.testing.assert_close(head_weights(rest)[name], value, rtol=0, atol=1e-6)
     assert rest.report["heldout_accuracy_before"] == whole.report["heldout_accuracy_before"]
+
+
+# --------------------------------------------------------------------------- score temperatures
+
+
+@pytest.mark.parametrize("method", ["medusa", "hydra", "redrafter"])
+def test_score_temperatures_are_fitted_saved_and_served(target, tmp_path, method):
+    from specserve.engine.torch_worker import TorchWorker
+    from specserve.loading import load_heads_proposer
+
+    out = tmp_path / method
+    report = train(target, out, tiny_options(method=method, steps=40)).report
+    temperatures = report["score_temperatures"]
+    assert len(temperatures) == 3 and all(0.25 <= t <= 8 for t in temperatures), temperatures
+    assert json.loads((out / "config.json").read_text())["score_temperatures"] == temperatures
+    proposer = load_heads_proposer(out, TorchWorker(target))
+    assert proposer.heads.config.score_temperatures == temperatures
+
+
+def test_resuming_a_finished_run_fits_temperatures_for_heads_saved_without_them(target, tmp_path):
+    """Heads trained before score temperatures existed get them from `--resume` of their run,
+    which trains no further."""
+    out = tmp_path / "heads"
+    whole = train(target, out, tiny_options())
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "score_temperatures"}))
+    again = train(target, out, tiny_options(), resume=True)
+    assert again.step == 8
+    assert json.loads((out / "config.json").read_text())["score_temperatures"] == whole.report["score_temperatures"]
+    for name, value in head_weights(whole).items():
+        torch.testing.assert_close(head_weights(again)[name], value, rtol=0, atol=0)
+
+
+def test_the_fitted_temperature_is_the_least_log_loss_one():
+    torch.manual_seed(0)
+    logits = 3 * torch.randn(2000, 50)
+    labels = torch.distributions.Categorical(logits=logits / 2.5).sample()  # the truth is 2.5x flatter
+    fitted = _least_log_loss_temperature(logits, labels)
+
+    def loss(t: float) -> float:
+        return float(torch.nn.functional.cross_entropy(logits / t, labels))
+
+    assert 2.2 < fitted < 2.8
+    assert loss(fitted) <= min(loss(fitted * 0.95), loss(fitted * 1.05), loss(1.0))
+
+
+def test_positions_whose_token_the_head_vocabulary_lacks_are_left_out():
+    logits = torch.tensor([[[5.0, 0.0], [5.0, 0.0], [5.0, 0.0]]])  # one head, three positions
+    truth = torch.tensor([[10, 10, 99]])  # the map holds 10 and 11: the third is left out
+    fitted = fit_score_temperatures([(logits, truth)], torch.tensor([10, 11]))
+    assert fitted[0] == pytest.approx(0.25, abs=0.01)  # always right: as sharp as allowed
+    assert fit_score_temperatures([], torch.tensor([10, 11])) is None
+
+
+@pytest.mark.parametrize("temperatures", [[1.0], [1.0, 0.0], [1.0, float("inf")]])
+def test_score_temperatures_need_one_positive_temperature_per_head(temperatures):
+    from specserve.heads.medusa import MedusaConfig
+
+    with pytest.raises(SpecserveError, match="one positive temperature per head"):
+        MedusaConfig(8, VOCAB, num_heads=2, score_temperatures=temperatures)
 
 
 @pytest.mark.parametrize("method", ["medusa", "hydra"])

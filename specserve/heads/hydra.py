@@ -60,6 +60,7 @@ class HydraConfig:
     target: str | None = None  # the model the heads were trained on (informational)
     prefix_window: int = 0  # Hydra++ prefix attention over the last N hidden states; 0: off
     prefix_heads: int = 4  # attention heads of the prefix layer
+    score_temperatures: list[float] | None = None  # see medusa.check_head_sizes
     method: str = "hydra"
 
     def __post_init__(self) -> None:

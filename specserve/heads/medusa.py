@@ -52,6 +52,7 @@ class MedusaConfig:
     own_lm_head: bool = False  # False: the target's frozen lm_head, shared by every head
     head_vocab_size: int | None = None  # size of token_map; None: the whole vocabulary
     target: str | None = None  # the model the heads were trained on (informational)
+    score_temperatures: list[float] | None = None  # see check_head_sizes
     method: str = "medusa"
 
     def __post_init__(self) -> None:
@@ -59,7 +60,17 @@ class MedusaConfig:
 
 
 def check_head_sizes(method: str, config) -> None:
-    """Sizes every head config shares (Medusa, Hydra): heads, layers, head vocabulary."""
+    """What every head config (Medusa, Hydra, ReDrafter) shares: heads, layers, head vocabulary,
+    and `score_temperatures`: per head, the temperature its logits are divided by before a tree
+    ranks its candidates by path probability (fitted by the trainer on held-out continuations,
+    `fit_score_temperatures`; None: 1). Deep heads are overconfident on text they did not train
+    on, and a reranked tree spends its budget where its scores say. Each head's own order of
+    candidates is unchanged, so a static shape drafts the same tree either way."""
+    temperatures = config.score_temperatures
+    if temperatures is not None and (len(temperatures) != config.num_heads
+                                     or not all(0 < t < float("inf") for t in temperatures)):
+        raise SpecserveError(f"score_temperatures needs one positive temperature per head ({config.num_heads}), "
+                             f"got {temperatures}")
     if config.num_heads < 1 or config.num_layers < 1:
         raise SpecserveError(f"{method} needs >= 1 head and >= 1 layer per head, got "
                              f"{config.num_heads} heads, {config.num_layers} layers")
@@ -103,6 +114,18 @@ class VocabularyHeads(nn.Module):
         if self.projection_kernel is not None:
             return self.projection_kernel(features)
         return features @ self.shared_lm_head.to(features.dtype).T
+
+    def scoring_logits(self, logits: torch.Tensor, head: int | None = None) -> torch.Tensor:
+        """`logits` as a tree scores them: divided by the config's `score_temperatures`, those of
+        head `head`, or of every head along the first axis ([num_heads, ..., head_vocab]) when
+        `head` is None. Unchanged where the heads have none."""
+        temperatures = self.config.score_temperatures
+        if temperatures is None:
+            return logits
+        if head is not None:
+            return logits.float() / temperatures[head]
+        scale = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)
+        return logits.float() / scale.view(-1, *(1,) * (logits.dim() - 1))
 
 
 class MedusaHeads(VocabularyHeads):

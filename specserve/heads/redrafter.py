@@ -50,6 +50,7 @@ class ReDrafterConfig:
     num_layers: int = 1  # the input block, then num_layers - 1 ResBlocks
     head_vocab_size: int | None = None  # size of token_map; None: the whole vocabulary
     target: str | None = None  # the model the drafter was trained on (informational)
+    score_temperatures: list[float] | None = None  # per drafting step: see medusa.check_head_sizes
     method: str = "redrafter"
 
     def __post_init__(self) -> None:

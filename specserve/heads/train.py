@@ -55,6 +55,7 @@ CACHE_DIR = "cache"
 MAX_FULL_HEAD_VOCAB = 65536  # larger vocabularies get a token map of TRUNCATED_HEAD_VOCAB ids
 TRUNCATED_HEAD_VOCAB = 32768
 EVAL_BATCH = 1024  # positions per evaluation batch
+CALIBRATION_POSITIONS = 4096  # held-out positions the score temperatures are fitted on (at most)
 TRAINED_EVAL_TOKENS = 4096  # training continuations measured like the held-out ones (memorisation)
 ACCURACY_LOG = "top-1 accuracy per head (held out: text, own; trained: continuations trained on)"
 
@@ -568,33 +569,110 @@ def distillation_loss(heads: TrainableHeads, h: torch.Tensor, path: torch.Tensor
     return (weights * per_head).sum(), per_head.detach(), agree
 
 
-def heldout_accuracy(heads: TrainableHeads, teacher_weight: torch.Tensor, hidden: torch.Tensor, greedy: torch.Tensor,
-                     tokens: torch.Tensor, offsets: torch.Tensor, device: str) -> list[float]:
-    """Per head, how often its argmax (through token_map) is the target's greedy token at t+i+2,
-    i.e. greedy[t + i + 1], over every usable position of the held-out text (paths
-    teacher-forced from `tokens`)."""
+def heldout_logits(heads: TrainableHeads, teacher_weight: torch.Tensor, hidden: torch.Tensor, greedy: torch.Tensor,
+                   tokens: torch.Tensor, offsets: torch.Tensor, device: str):
+    """Per batch of the usable positions of a held-out set, (logits [K, B, head_vocab], truth
+    [K, B]): every head's logits with paths teacher-forced from `tokens`, and the target's greedy
+    token each should predict (head i at t: greedy[t + i + 1], the token t + i + 2)."""
     import torch
 
     num_heads = heads.config.num_heads
     window = getattr(heads, "context_window", 0)
     starts = sequence_starts(offsets)
-    positions = usable_positions(offsets, num_heads)
-    if len(positions) == 0:
-        return [0.0] * num_heads
-    hits = torch.zeros(num_heads)
     shifts = torch.arange(1, num_heads + 1)
     with torch.no_grad():
-        for batch in positions.split(EVAL_BATCH):
+        for batch in usable_positions(offsets, num_heads).split(EVAL_BATCH):
             path = gather_path(tokens, batch, num_heads).to(device)
             context = None
             if window:
                 states, valid = gather_context(hidden, batch, starts, window)
                 context = (states.to(device), valid.to(device))
-            logits = student_logits(heads, hidden[batch].to(device), path, teacher_weight, context)  # [K, B, head_vocab]
-            guess = heads.token_map[logits.argmax(-1)].cpu()  # [K, B]
-            truth = greedy[batch[None, :] + shifts[:, None]]  # [K, B]
-            hits += (guess == truth).sum(-1)
-    return (hits / len(positions)).tolist()
+            logits = student_logits(heads, hidden[batch].to(device), path, teacher_weight, context)
+            yield logits, greedy[batch[None, :] + shifts[:, None]]
+
+
+def heldout_accuracy(heads: TrainableHeads, teacher_weight: torch.Tensor, hidden: torch.Tensor, greedy: torch.Tensor,
+                     tokens: torch.Tensor, offsets: torch.Tensor, device: str) -> list[float]:
+    """Per head, how often its argmax (through token_map) is the target's greedy token at t+i+2,
+    over every usable position of the held-out text (see `heldout_logits`)."""
+    import torch
+
+    hits, count = torch.zeros(heads.config.num_heads), 0
+    for logits, truth in heldout_logits(heads, teacher_weight, hidden, greedy, tokens, offsets, device):
+        hits += (heads.token_map[logits.argmax(-1)].cpu() == truth).sum(-1)
+        count += truth.shape[1]
+    return (hits / count).tolist() if count else [0.0] * heads.config.num_heads
+
+
+def fit_score_temperatures(batches, token_map: torch.Tensor, max_positions: int = CALIBRATION_POSITIONS
+                           ) -> list[float] | None:
+    """Per head, the temperature T that makes softmax(logits / T) the best model (least
+    log-loss) of the token the target writes, over the first `max_positions` positions of
+    `batches` ((logits [K, B, head_vocab], truth token ids [K, B]), as `heldout_logits` yields
+    them: paths teacher-forced, so a head is judged on paths that were right, as a tree's
+    conditional scores are): the heads' `score_temperatures`. Positions whose token is not
+    in `token_map` are left out. None when there are no positions.
+
+    >>> import torch
+    >>> _ = torch.manual_seed(0)
+    >>> truth = torch.distributions.Categorical(logits=torch.tensor([2.0, 1.0, 0.0])).sample((20000,))
+    >>> sharp = torch.tensor([4.0, 2.0, 0.0]).expand(1, 20000, 3)  # twice the truth's logits
+    >>> [round(t, 1) for t in fit_score_temperatures([(sharp, truth[None])], torch.arange(3))]
+    [2.0]
+    """
+    import torch
+
+    index = torch.full((int(token_map.max()) + 1,), -1, dtype=torch.long)
+    index[token_map.cpu()] = torch.arange(len(token_map))
+    rows: list[list[torch.Tensor]] = []  # per head, (logits, head-vocabulary label) chunks
+    seen = 0
+    for logits, truth in batches:
+        take = min(truth.shape[1], max_positions - seen)
+        truth = truth[:, :take].cpu()
+        label = torch.where(truth < len(index), index[truth.clamp(max=len(index) - 1)], -1)
+        rows = rows or [[] for _ in range(len(truth))]
+        for head, chunks in enumerate(rows):
+            known = label[head] >= 0  # bfloat16 below: half the memory, ample for a log-loss
+            chunks.append((logits[head, :take][known].to(torch.bfloat16).cpu(), label[head][known]))
+        seen += take
+        if seen >= max_positions:
+            break
+    if not seen:
+        return None
+    return [_least_log_loss_temperature(torch.cat([x for x, _ in chunks]), torch.cat([y for _, y in chunks]))
+            for chunks in rows]
+
+
+def _least_log_loss_temperature(logits: torch.Tensor, labels: torch.Tensor, low: float = 0.25,
+                                high: float = 8.0, steps: int = 40) -> float:
+    """argmin over T in [low, high] of the mean -log softmax(logits / T)[label] (convex in
+    1/T): a golden-section search on log T. 1 where there are no rows."""
+    import math
+
+    if len(labels) == 0:
+        return 1.0
+
+    def loss(log_t: float) -> float:
+        total = 0.0
+        for chunk, y in zip(logits.split(256), labels.split(256)):
+            scaled = chunk.float() / math.exp(log_t)
+            total += float((scaled.logsumexp(-1) - scaled.gather(-1, y[:, None])[:, 0]).sum())
+        return total / len(labels)
+
+    a, b = math.log(low), math.log(high)
+    ratio = (math.sqrt(5) - 1) / 2
+    x1, x2 = b - ratio * (b - a), a + ratio * (b - a)
+    f1, f2 = loss(x1), loss(x2)
+    for _ in range(steps):
+        if f1 <= f2:
+            b, x2, f2 = x2, x1, f1
+            x1 = b - ratio * (b - a)
+            f1 = loss(x1)
+        else:
+            a, x1, f1 = x1, x2, f2
+            x2 = a + ratio * (b - a)
+            f2 = loss(x2)
+    return round(math.exp((a + b) / 2), 4)
 
 
 def lr_lambda(warmup: int, steps: int) -> Callable[[int], float]:
@@ -841,8 +919,6 @@ def _train(heads: TrainableHeads, teacher_weight: torch.Tensor, options: TrainOp
     def evaluate() -> dict[str, list[float]]:
         return {name: heldout_accuracy(heads, teacher_weight, *tensors, device) for name, tensors in eval_sets.items()}
 
-    sparse = (sparse_teacher(hidden, teacher_weight, options.teacher_top, progress=options.progress)
-              if 0 < options.teacher_top < teacher_weight.shape[0] else None)
     shifts = torch.arange(1, options.num_heads + 1, device=device)
 
     def teacher_for(batch: torch.Tensor):
@@ -877,6 +953,9 @@ def _train(heads: TrainableHeads, teacher_weight: torch.Tensor, options: TrainOp
                 "train_seconds": seconds, "losses": losses, "accuracy_before": before}
 
     end = min(options.steps, stop_at) if stop_at is not None else options.steps
+    # the teacher's top tokens of every row, once, where steps remain (`teacher_for` reads it)
+    sparse = (sparse_teacher(hidden, teacher_weight, options.teacher_top, progress=options.progress)
+              if step < end and 0 < options.teacher_top < teacher_weight.shape[0] else None)
     bar = tqdm(total=options.steps, initial=step, unit="step", desc="training heads", disable=not options.progress,
                dynamic_ncols=True)
     heads.train()
@@ -916,6 +995,10 @@ def _train(heads: TrainableHeads, teacher_weight: torch.Tensor, options: TrainOp
 
     after = evaluate()
     log(f"{ACCURACY_LOG}, trained:   {_fmt(after)}")
+    calibration = "own" if "own" in eval_sets else "text"  # what serving sees: the target's own text
+    heads.config.score_temperatures = fit_score_temperatures(
+        heldout_logits(heads, teacher_weight, *eval_sets[calibration], device), heads.token_map)
+    log(f"score temperatures per head (held out: {calibration}): {heads.config.score_temperatures}")
     heads.save(out_dir)
     report = _report(options, data, heads, target, device, step, seconds, losses, before, after)
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
@@ -954,6 +1037,9 @@ def _report(options, data, heads, target, device, step, seconds, losses, before,
         # heads memorise their text (then more --generated-tokens pays, more --steps does not)
         "trained_own_accuracy_before": _rounded(before.get("trained")),
         "trained_own_accuracy_after": _rounded(after.get("trained")),
+        # what a tree's path scores divide each head's logits by (fitted on the held-out "own"
+        # continuations, else "text"; saved in config.json: see medusa.check_head_sizes)
+        "score_temperatures": heads.config.score_temperatures,
     }
 
 

@@ -29,11 +29,14 @@ class HeadProposer:
         return [growth_for(min(r.k, self.num_heads), r.tree, self.min_confidence) if r.k > 0 else None
                 for r in requests]
 
-    def top_candidates(self, logits: torch.Tensor, growths: list) -> tuple[list, list]:
+    def top_candidates(self, logits: torch.Tensor, growths: list, head: int | None = None) -> tuple[list, list]:
         """(token ids, probabilities) of the best candidates per row of `logits` (as wide as
-        the widest growth needs), as nested lists shaped like logits without its last axis."""
+        the widest growth needs), as nested lists shaped like logits without its last axis.
+        `logits` are head `head`'s, or every head's along the first axis (None); the
+        probabilities are at the heads' score temperatures (`scoring_logits`)."""
         width = min(max((g.max_children for g in growths if g is not None), default=1),
                     self.heads.config.head_vocab_size)
+        logits = self.heads.scoring_logits(logits, head)
         probs, index = logits.masked_fill(self._padding, float("-inf")).float().softmax(-1).topk(width, dim=-1)
         return self.heads.token_map[index].cpu().tolist(), probs.cpu().tolist()
 

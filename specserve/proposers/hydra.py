@@ -43,7 +43,7 @@ class HydraProposer(HeadProposer):
             rows = torch.tensor([b for b, _ in frontier], device=base.device)
             paths = torch.tensor([drafts[b].path(node) for b, node in frontier], device=base.device)
             logits = self.heads.head_logits(depth, base[rows], paths)  # [N, head_vocab]
-            ids, probs = self.top_candidates(logits, growths)
+            ids, probs = self.top_candidates(logits, growths, depth)
             by_request: dict[int, dict[int, tuple[list[int], list[float]]]] = {}
             for i, (b, node) in enumerate(frontier):
                 by_request.setdefault(b, {})[node] = (ids[i], probs[i])

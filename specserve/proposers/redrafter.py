@@ -116,7 +116,7 @@ class ReDrafterProposer(HeadProposer):
         while rows:
             state = self.heads.advance(state, last)
             logits = self.heads.step_logits(hidden[torch.tensor([b for b, _ in rows], device=device)], state)
-            log_probs, ids = self.top_log_probs(logits, width)
+            log_probs, ids = self.top_log_probs(logits, width, depth)
             depth += 1
             chosen = []  # (row, rank) of each next beam, grouped by request
             for b, members in _by_request(rows).items():
@@ -135,9 +135,11 @@ class ReDrafterProposer(HeadProposer):
         return [Proposal(r.request_id, self._tree(plans[b], finished.get(b, [])), DETERMINISTIC)
                 for b, r in enumerate(requests)]
 
-    def top_log_probs(self, logits: torch.Tensor, width: int) -> tuple[list, list]:
-        """(log-probabilities, token ids) of each row's `width` best tokens, padding never among them."""
+    def top_log_probs(self, logits: torch.Tensor, width: int, step: int) -> tuple[list, list]:
+        """(log-probabilities, token ids) of each row's `width` best tokens at drafting step
+        `step`'s score temperature (`scoring_logits`), padding never among them."""
         width = min(width, self.heads.config.head_vocab_size)
+        logits = self.heads.scoring_logits(logits, step)
         values, index = logits.masked_fill(self._padding, float("-inf")).float().log_softmax(-1).topk(width, dim=-1)
         return values.cpu().tolist(), self.heads.token_map[index].cpu().tolist()
 
