@@ -12,7 +12,7 @@ The prompts the benchmarks measure (``held_out()``) are never training text: hea
 seen them would make the benchmark's acceptance rates look better than they are.
 
     >>> seqs = token_sequences(tokenizer, max_tokens=20_000, seed=0)   # doctest: +SKIP
-    >>> sum(map(len, seqs)) <= 20_000
+    >>> sum(map(len, seqs)) <= 20_000   # doctest: +SKIP
     True
 """
 
