@@ -96,7 +96,8 @@ def test_sampled_reranked_trees_follow_the_target_distribution(method):
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_score_temperatures_reshape_trees_and_keep_greedy_output_exact(method):
     """Heads with `score_temperatures` (a sharp first head, flat deeper ones) draft other
-    trees from the same logits, and the output is still the target's own."""
+    trees from the same logits, and the output is still the target's own. A static shape
+    takes each head's r-th candidate, which no temperature reorders: the same trees."""
     import torch
 
     from specserve.protocol import ProposeRequest
@@ -108,10 +109,17 @@ def test_score_temperatures_reshape_trees_and_keep_greedy_output_exact(method):
     plain = make_decoder(target, heads, **spec)
     hidden = torch.randn(len(PROMPTS), target.config.hidden_size)
     requests = [ProposeRequest(f"r{i}", p, 3, SamplingParams(), 0, spec["tree"]) for i, p in enumerate(PROMPTS)]
-    before = [x.tree for x in plain.verifier.heads.propose_from_hidden(requests, hidden)]
+    static = [ProposeRequest(f"s{i}", p, 3, SamplingParams(), 0, SHAPES["static"]["tree"])
+              for i, p in enumerate(PROMPTS)]
+
+    def trees(batch):
+        return [x.tree for x in plain.verifier.heads.propose_from_hidden(batch, hidden)]
+
+    before, static_before = trees(requests), trees(static)
     heads.config.score_temperatures = [0.2, 8.0, 8.0]
-    after = [x.tree for x in plain.verifier.heads.propose_from_hidden(requests, hidden)]
-    assert before != after
+    assert trees(requests) != before
+    if method != "redrafter":  # ReDrafter reads a static shape as beams, which scores do rank
+        assert trees(static) == static_before
     outs = make_decoder(target, heads, **spec).generate(PROMPTS, SamplingParams(max_tokens=24))
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == hf_greedy(target, prompt, 24)
