@@ -111,8 +111,8 @@ bench-methods: models
 	$(VENV)/bin/specserve bench --preset methods --out bench-results/methods
 
 # Hydra against Medusa (train both first: make heads heads-hydra): accepted length with the same
-# 16-node trees, pruned at path score 0.05 and full, and the papers' 63-node mc_sim_7b_63, 16 held-out
-# prompts per workload, one pass.
+# 16-node trees, pruned at path score 0.05 and full, the papers' 63-node mc_sim_7b_63, and reranked
+# trees of 16 and 63 nodes, 16 held-out prompts per workload, one pass.
 bench-hydra: models
 	$(VENV)/bin/specserve bench --preset hydra --out bench-results/hydra
 

@@ -19,6 +19,10 @@ VS_VLLM = ["specserve none", f"specserve draft k={K}", "vllm none", f"vllm draft
 
 MEDUSA_TREE = {"budget": 16, "depth": 4, "width": 4, "min_score": 0.05}  # as deep as `make heads`' 4 heads
 PAPERS_TREE = {"shape": "mc_sim_7b_63"}  # Medusa's and Hydra's own evaluations: 63 nodes, 4 levels
+# reranked (EAGLE-2): the budget's best nodes of width x depth grown, scored at the heads' score
+# temperatures; the 63-node one is both methods' best tree in replay (docs/bench/replay-calibrated-epyc)
+RERANKED_TREES = [{"budget": 16, "depth": 4, "width": 16, "min_score": 0.0, "rerank": True},
+                  {"budget": 63, "depth": 4, "width": 32, "min_score": 0.0, "rerank": True}]
 REDRAFTER_BEAMS = {"width": 4, "depth": 4, "budget": 16, "min_score": 0.05}  # manifests/local-redrafter.yaml
 NGRAM_TREE = {"budget": 16, "depth": 8, "width": 4}  # up to 4 earlier matches, 8 tokens each, merged
 
@@ -100,14 +104,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "hydra": {
         "help": "make bench-hydra: Hydra against Medusa heads (make heads, make heads-hydra), accepted length with the "
                 "same 16-node trees, pruned where a node's path score falls below 0.05 (as in the methods preset and "
-                "the manifests) and full (min_score 0: all 16 nodes), and with the papers' own static tree "
-                "(mc_sim_7b_63: 63 nodes, the default of both Medusa's and Hydra's evaluations), 16 held-out "
-                "prompts per workload, one pass",
+                "the manifests) and full (min_score 0: all 16 nodes), with the papers' own static tree "
+                "(mc_sim_7b_63: 63 nodes, the default of both Medusa's and Hydra's evaluations), and reranked "
+                "trees of 16 and 63 nodes, 16 held-out prompts per workload, one pass",
         "modes": ["library"], "workloads": ["code", "chat"], "prompts": 16, "max_tokens": 96, "batch_sizes": [1],
         "repeats": 1, "systems": ["specserve *"],
         "variants": [("none", {}),
                      *[(method, {"shape": "tree", "tree": tree})
-                       for tree in (MEDUSA_TREE, {**MEDUSA_TREE, "min_score": 0.0}, PAPERS_TREE)
+                       for tree in (MEDUSA_TREE, {**MEDUSA_TREE, "min_score": 0.0}, PAPERS_TREE, *RERANKED_TREES)
                        for method in ("medusa", "hydra")]],
     },
     "adaptive": {
