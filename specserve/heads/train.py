@@ -624,7 +624,7 @@ def fit_score_temperatures(batches, token_map: torch.Tensor, max_positions: int 
 
     index = torch.full((int(token_map.max()) + 1,), -1, dtype=torch.long)
     index[token_map.cpu()] = torch.arange(len(token_map))
-    rows: list[list[torch.Tensor]] = []  # per head, (logits, head-vocabulary label) chunks
+    rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per head, (logits, head-vocabulary label) chunks
     seen = 0
     for logits, truth in batches:
         take = min(truth.shape[1], max_positions - seen)
